@@ -1,0 +1,16 @@
+"""User-facing errors: one line that names the field and the fix."""
+
+import difflib
+from collections.abc import Iterable
+
+
+class ShardwiseError(Exception):
+    """An error caused by input; the CLI prints its message as one line and exits 2."""
+
+
+def unknown_name(kind: str, name: str, known: Iterable[str]) -> ShardwiseError:
+    """Error for an unknown catalog name that suggests the closest known names."""
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(known)}"
+    return ShardwiseError(f"unknown {kind} '{name}': {hint}")
