@@ -190,4 +190,4 @@ def decode(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarr
     values = E2M1_VALUES.astype(work)[unpack_nibbles(blocks)]
     with np.errstate(over="ignore", invalid="ignore"):
         values *= e8m0_to_float(scales, work)[..., None]
-    return values.reshape(blocks.shape[:-2] + (blocks.shape[-2] * BLOCK_SIZE,)).astype(dtype, copy=False)
+        return values.reshape(blocks.shape[:-2] + (blocks.shape[-2] * BLOCK_SIZE,)).astype(dtype, copy=False)

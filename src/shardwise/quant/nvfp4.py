@@ -69,7 +69,7 @@ def e4m3_decode(codes: np.ndarray) -> np.ndarray:
 def e4m3_encode(x: np.ndarray) -> np.ndarray:
     """E4M3 bytes (uint8) of x: round to nearest, ties to even, saturate at ±448, NaN → 0x7F.
 
-    Infinities saturate to ±448 too, since E4M3 has no inf.
+    Infinities saturate to ±448 too, since E4M3 has no inf; −0.0 keeps its sign (0x80).
     """
     x = np.asarray(x, dtype=np.float64)
     a = np.abs(x)
@@ -79,7 +79,7 @@ def e4m3_encode(x: np.ndarray) -> np.ndarray:
         rounded = np.ldexp(np.rint(np.ldexp(np.where(np.isfinite(a), a, E4M3_MAX), -quantum_exp)), quantum_exp)
     rounded = np.minimum(rounded, E4M3_MAX)
     codes = np.searchsorted(_E4M3_POSITIVE, rounded).astype(np.uint8)
-    codes |= (x < 0).astype(np.uint8) << 7
+    codes |= np.signbit(x).astype(np.uint8) << 7
     return np.where(np.isnan(x), E4M3_NAN, codes).astype(np.uint8)
 
 

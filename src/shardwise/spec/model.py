@@ -600,7 +600,9 @@ def _build_qwen3_moe(cfg: _Cfg) -> dict[str, Any]:
     kv = cfg.int("num_key_value_heads", heads)
     hd = cfg.int("head_dim", hidden // heads)
     inter = cfg.int("intermediate_size")
-    n_exp, top_k, moe_inter = cfg.int("num_experts"), cfg.int("num_experts_per_tok"), cfg.int("moe_intermediate_size", inter)
+    # transformers 5 writes qwen3_moe's expert count as num_local_experts (4.x: num_experts)
+    n_exp_key = "num_experts" if cfg.get("num_experts") is not None or cfg.get("num_local_experts") is None else "num_local_experts"
+    n_exp, top_k, moe_inter = cfg.int(n_exp_key), cfg.int("num_experts_per_tok"), cfg.int("moe_intermediate_size", inter)
     step = cfg.int("decoder_sparse_step", 1)
     mlp_only = set(cfg.get("mlp_only_layers", []))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None

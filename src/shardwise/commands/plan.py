@@ -1,0 +1,189 @@
+"""`shardwise plan`: box count, speed, bottleneck, power and cost for a model on a cluster.
+
+With no arguments it plans the seed's case: Kimi K3 on 16 DGX Spark boxes over 100 Gb RoCE,
+TP16 + EP16, 4 k context, the vLLM runtime profile, at the $6,950 per box the builder paid.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from shardwise.errors import ShardwiseError
+
+SEED = {"model": "kimi-k3", "box": "dgx-spark", "boxes": 16, "link": "100g-roce"}
+
+
+def build_scenario(
+    model: str, box: str, boxes: int | None, link: str, tp: int | None, ep: int | None, pp: int | None,
+    context: int, prompt_tokens: int, spec_tokens: int, acceptance: float | None, workload: str | None,
+    runtime: str, quant: str | None, experts: str | None, dense: str | None, price: float | None,
+    kv_dtype: str, cluster: str | None = None,
+):
+    """Resolve CLI inputs into a validated Scenario (one-line errors on bad input)."""
+    from shardwise.perf.estimate import Scenario
+    from shardwise.perf.profiles import get_profile
+    from shardwise.perf.speculative import check_spec, resolve_acceptance
+    from shardwise.plan import ParallelPlan, default_plan, validate_plan
+    from shardwise.quant.formats import get_format
+    from shardwise.spec.hardware import get_box, get_link, load_cluster_file
+    from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, load_model
+
+    spec = load_model(model)
+    if cluster:
+        cl = load_cluster_file(cluster)
+        box_obj, link_obj, n = cl.box, cl.link, cl.boxes
+        if boxes is not None and boxes != n:
+            raise ShardwiseError(f"--boxes {boxes} disagrees with cluster file '{cluster}' ({n} boxes): drop --boxes")
+    else:
+        box_obj, link_obj = get_box(box), get_link(link)
+        n = boxes if boxes is not None else SEED["boxes"]
+    if n < 1:
+        raise ShardwiseError(f"--boxes must be >= 1, got {n}")
+    if tp is None and ep is None and pp is None:
+        plan = default_plan(spec, n)
+    else:
+        base = default_plan(spec, n)
+        t = tp if tp is not None else (n // (pp or 1))
+        p = pp if pp is not None else max(n // max(t, 1), 1)
+        e = ep if ep is not None else (base.ep if t == base.tp else 1)
+        plan = ParallelPlan(tp=t, ep=e, pp=p)
+    validate_plan(spec, plan)
+    if plan.world_size != n:
+        raise ShardwiseError(
+            f"--tp {plan.tp} x --pp {plan.pp} = {plan.world_size} ranks but --boxes is {n}: "
+            f"use --boxes {plan.world_size} or --pp {max(n // plan.tp, 1)}"
+        )
+    formats = spec.group_formats()
+    if quant:
+        get_format(quant)
+        formats.update({g: quant for g in MATMUL_GROUPS})
+    if experts:
+        get_format(experts)
+        formats[ROUTED_EXPERTS] = experts
+    if dense:
+        get_format(dense)
+        formats.update({g: dense for g in MATMUL_GROUPS if g != ROUTED_EXPERTS})
+    kv_bytes = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp32": 4.0}.get(kv_dtype)
+    if kv_bytes is None:
+        raise ShardwiseError(f"--kv-dtype '{kv_dtype}' is unknown: use bf16, fp16, fp8 or fp32")
+    if spec_tokens < 0:
+        raise ShardwiseError(f"--spec-tokens must be >= 0, got {spec_tokens}")
+    acc = 0.0
+    if spec_tokens:
+        acc = resolve_acceptance(acceptance, workload)
+        check_spec(spec_tokens, acc)
+    elif acceptance is not None:
+        check_spec(1, acceptance)
+    if context < 1:
+        raise ShardwiseError(f"--context must be >= 1 token, got {context}")
+    if price is not None:
+        unit_price, price_note = price, "--price"
+    elif getattr(box_obj, "builder_price_usd", None):
+        unit_price = box_obj.builder_price_usd
+        price_note = f"what the seed's builder paid; list price ${box_obj.list_price_usd:,.0f} (--price to change)"
+    else:
+        unit_price, price_note = box_obj.list_price_usd, "list price (--price to change)"
+    return Scenario(
+        model=spec, box=box_obj, boxes=n, link=link_obj, plan=plan, formats=formats,
+        profile=get_profile(runtime), context_tokens=context, prompt_tokens=prompt_tokens,
+        spec_tokens=spec_tokens, acceptance=acc, price_usd=unit_price, price_note=price_note,
+        kv_bytes=kv_bytes,
+    )
+
+
+def render(doc: dict) -> None:
+    """Print a plan document as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    m, c, mem, d, pf, pw, cost = (doc[k] for k in ("model", "cluster", "memory", "decode", "prefill", "power", "cost"))
+    gb = 1e9
+    con.print(
+        f"[bold]{m['name']}[/] ({m['model_type']}): {m['total_params'] / 1e9:,.1f} B params, "
+        f"{m['active_params'] / 1e9:,.1f} B active, {m['avg_bits_per_weight']:.2f} bits/weight avg "
+        f"on [bold]{c['boxes']} x {c['box']}[/] over {c['link']}, {doc['plan']['layout']}, runtime {doc['plan']['runtime']}"
+    )
+    con.print(f"[dim]{m['active_convention']}[/]")
+    t = Table(title="Memory per box (fullest rank)")
+    for col in ("weights GB", "KV GB", "workspace GB", "reserve GB", "free GB", "box GB"):
+        t.add_column(col, justify="right")
+    t.add_row(*(f"{mem[k] / gb:,.1f}" for k in ("weights_bytes", "kv_bytes", "workspace_bytes", "reserve_bytes", "free_bytes", "box_bytes")))
+    con.print(t)
+    con.print(
+        f"boxes needed: {mem['min_boxes_weights']} by weights alone ({mem['total_weight_bytes'] / gb:,.0f} GB), "
+        f"{mem['min_boxes']} with cache and reserves, {mem['min_boxes_layout']} with a valid layout"
+        + ("" if mem["fits"] else "  [bold red]this plan does not fit[/]")
+    )
+    w = Table(title="Decode waterfall (batch 1)")
+    w.add_column("step")
+    w.add_column("tok/s", justify="right")
+    w.add_column("cause")
+    for s in d["waterfall"]:
+        w.add_row(s["step"], f"{s['tok_per_s']:,.2f}", s["cause"])
+    con.print(w)
+    con.print(
+        f"decode: [bold]{d['tok_per_s']:,.2f} tok/s[/] (naive ceiling {d['naive_ceiling_tok_per_s']:,.1f}, "
+        f"bandwidth ceiling {d['ceiling_tok_per_s']:,.1f}); bottleneck: [bold]{d['bottleneck']}[/]; "
+        f"{d['collectives_per_step']} collectives/step, all-reduce {d['allreduce_algorithm']}"
+    )
+    con.print(f"prefill ({pf['prompt_tokens']} tokens): {pf['tok_per_s']:,.0f} tok/s, bottleneck {pf['bottleneck']}")
+    con.print(
+        f"power: {pw['load_watts']:,.0f} W under load ({pw['rated_watts']:,.0f} W rated supplies, "
+        f"switch {pw['switch_watts']:,.0f} W), {pw['joules_per_token']:,.1f} J/token"
+    )
+    con.print(
+        f"cost: ${cost['usd']:,.0f} for the boxes at ${cost['price_per_box_usd']:,.0f} ({cost['price_note']}), "
+        f"+ ${cost['switch_usd']:,.0f} switch; ${cost['usd_per_tok_per_s']:,.0f} per tok/s"
+    )
+    for note in doc["notes"]:
+        con.print(f"[dim]note: {note}[/]")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `plan` verb."""
+
+    @app.command("plan")
+    def plan_command(
+        model: Annotated[str, typer.Option(help="catalog key or path to a config.json")] = SEED["model"],
+        box: Annotated[str, typer.Option(help="box from the catalog")] = SEED["box"],
+        boxes: Annotated[Optional[int], typer.Option(help="number of boxes (default 16)")] = None,
+        link: Annotated[str, typer.Option(help="link from the catalog")] = SEED["link"],
+        tp: Annotated[Optional[int], typer.Option(help="tensor-parallel degree")] = None,
+        ep: Annotated[Optional[int], typer.Option(help="expert-parallel degree (divides tp)")] = None,
+        pp: Annotated[Optional[int], typer.Option(help="pipeline stages")] = None,
+        context: Annotated[int, typer.Option(help="context tokens at decode")] = 4096,
+        prompt_tokens: Annotated[int, typer.Option(help="prompt tokens for the prefill estimate")] = 2048,
+        spec_tokens: Annotated[int, typer.Option(help="speculative draft tokens per step (0 = off)")] = 0,
+        acceptance: Annotated[Optional[float], typer.Option(help="per-token draft acceptance in (0, 1)")] = None,
+        workload: Annotated[Optional[str], typer.Option(help="named acceptance: code-edit or chat")] = None,
+        runtime: Annotated[str, typer.Option(help="runtime profile: ideal, vllm, llama-cpp, mlx, shardwise")] = "vllm",
+        quant: Annotated[Optional[str], typer.Option(help="one format for every matmul weight")] = None,
+        experts: Annotated[Optional[str], typer.Option(help="format of the routed experts")] = None,
+        dense: Annotated[Optional[str], typer.Option(help="format of the non-expert matmul weights")] = None,
+        price: Annotated[Optional[float], typer.Option(help="price per box, USD")] = None,
+        kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype")] = "bf16",
+        cluster: Annotated[Optional[str], typer.Option(help="cluster TOML (from `shardwise probe` or by hand)")] = None,
+        json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
+    ) -> None:
+        """Plan a model on a cluster: memory fit, decode/prefill speed, waterfall, bottleneck, power, cost."""
+        from shardwise.perf.estimate import estimate
+
+        sc = build_scenario(
+            model, box, boxes, link, tp, ep, pp, context, prompt_tokens, spec_tokens, acceptance, workload,
+            runtime, quant, experts, dense, price, kv_dtype, cluster,
+        )
+        doc = estimate(sc)
+        if not doc["memory"]["fits"]:
+            need = doc["memory"]["min_boxes_layout"]
+            raise ShardwiseError(
+                f"{sc.model.name} does not fit on {sc.boxes} x {sc.box.name} ({doc['memory']['free_bytes'] / 1e9:,.1f} GB "
+                f"short on the fullest box): it needs {need if need else 'more than 64'} boxes"
+            )
+        if json_out:
+            print(json.dumps(doc, indent=2))
+        else:
+            render(doc)

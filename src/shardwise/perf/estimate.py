@@ -1,0 +1,294 @@
+"""The Estimate: memory fit, decode and prefill speed, waterfall, bottleneck, power and cost.
+
+``estimate(scenario)`` returns one JSON-ready dict (the document ``shardwise plan --json``
+prints). Units are in the key names: ``*_bytes``, ``*_s``, ``tok_per_s``, ``watts``, ``usd``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardwise.perf.decode import Hardware, StepCost, layer_costs, step_cost
+from shardwise.perf.imbalance import load_percentiles
+from shardwise.perf.memory import memory_fit, total_weight_bytes
+from shardwise.perf.profiles import RuntimeProfile
+from shardwise.perf.speculative import tokens_per_step
+from shardwise.plan import ParallelPlan
+from shardwise.quant.formats import get_format
+from shardwise.spec.model import ModelSpec
+
+GB = 1e9
+ACTIVE_CONVENTION = (
+    "active = weights one decoded token touches: all non-expert weights and top_k of the routed "
+    "experts, LM head included, input embedding excluded (gpt-oss model-card convention)"
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything a plan needs: model, hardware, layout and workload.
+
+    box / link: catalog entries (see ``shardwise.spec.hardware``); price_usd is per box.
+    formats: quantization format name per tensor group.
+    """
+
+    model: ModelSpec
+    box: object
+    boxes: int
+    link: object
+    plan: ParallelPlan
+    formats: dict[str, str]
+    profile: RuntimeProfile
+    context_tokens: int = 4096
+    prompt_tokens: int = 2048
+    spec_tokens: int = 0
+    acceptance: float = 0.0
+    price_usd: float = 0.0
+    price_note: str = ""
+    kv_bytes: float = 2.0
+    reserve_fraction: float = 0.10
+    notes: tuple[str, ...] = field(default=())
+
+
+def hardware_of(box, link) -> Hardware:
+    """SI-unit view of a catalog box and link."""
+    return Hardware(
+        mem_bandwidth_bytes_per_s=box.memory_bandwidth_gbps * GB,
+        peak_flops=box.tflops_bf16 * 1e12,
+        link_alpha_s=link.latency_s,
+        link_beta_bytes_per_s=link.bandwidth_gbps * GB,
+        network=link.kind in ("tcp", "rdma"),
+    )
+
+
+def formats_bits(formats: dict[str, str]) -> dict[str, float]:
+    """Bits per weight per tensor group from the codec-backed format registry."""
+    return {g: get_format(f).bits_per_weight for g, f in formats.items()}
+
+
+def _tok(step: StepCost, tokens: float = 1.0) -> float:
+    return tokens / step.total_s if step.total_s > 0 else float("inf")
+
+
+def profile_kwargs(profile: RuntimeProfile) -> dict:
+    """step_cost keyword arguments that apply a runtime profile's efficiency factors."""
+    return dict(
+        mem_efficiency=profile.mem_efficiency, compute_efficiency=profile.compute_efficiency,
+        collective_overhead_s=profile.collective_overhead_s, step_overhead_s=profile.step_overhead_s,
+        allreduce=profile.allreduce,
+    )
+
+
+def decode_speed(sc: Scenario, layers=None, **overrides) -> tuple[float, StepCost, StepCost, float]:
+    """(tok/s, plain step, final step, tokens per final step) under the scenario's profile.
+
+    ``overrides`` replace profile factors (used by calibration); ``layers`` can be precomputed.
+    """
+    bits = formats_bits(sc.formats)
+    hw = hardware_of(sc.box, sc.link)
+    if layers is None:
+        layers = layer_costs(sc.model, sc.plan, bits, sc.kv_bytes)
+    kwargs = {**profile_kwargs(sc.profile), **overrides}
+    plain = step_cost(sc.model, sc.plan, layers, bits, hw, sc.context_tokens, 1, **kwargs)
+    if not sc.spec_tokens:
+        return _tok(plain), plain, plain, 1.0
+    tokens = tokens_per_step(sc.spec_tokens, sc.acceptance)
+    verify = step_cost(sc.model, sc.plan, layers, bits, hw, sc.context_tokens, sc.spec_tokens + 1, **kwargs)
+    return _tok(verify, tokens), plain, verify, tokens
+
+
+def estimate(sc: Scenario) -> dict:
+    """Memory, decode, prefill, waterfall, bottleneck, power and cost for one scenario."""
+    m, plan, prof = sc.model, sc.plan, sc.profile
+    bits = formats_bits(sc.formats)
+    hw = hardware_of(sc.box, sc.link)
+    layers = layer_costs(m, plan, bits, sc.kv_bytes)
+    ctx = sc.context_tokens
+
+    # ---- the seed's arithmetic and the byte-exact bandwidth ceilings ----------------------
+    total_bytes = total_weight_bytes(m, bits)
+    avg_bits = 8 * total_bytes / m.total_params
+    naive_bytes = m.active_params * avg_bits / 8
+    agg_bw = sc.boxes * hw.mem_bandwidth_bytes_per_s
+    naive_tok = agg_bw / naive_bytes
+    active_bytes = sum(n * bits[g] / 8 for g, n in m.active_params_by_group.items())
+    precision_tok = agg_bw / active_bytes
+    stage_bw = plan.tp * hw.mem_bandwidth_bytes_per_s
+
+    common = dict(allreduce=prof.allreduce)
+    even = step_cost(m, plan, layers, bits, hw, ctx, 1, busiest_experts=False, include_compute=False, include_network=False, **common)
+    roof = step_cost(m, plan, layers, bits, hw, ctx, 1, include_compute=False, include_network=False, **common)
+    effic = step_cost(
+        m, plan, layers, bits, hw, ctx, 1, mem_efficiency=prof.mem_efficiency,
+        compute_efficiency=prof.compute_efficiency, include_network=False, **common,
+    )
+    net = step_cost(
+        m, plan, layers, bits, hw, ctx, 1, mem_efficiency=prof.mem_efficiency,
+        compute_efficiency=prof.compute_efficiency, collective_overhead_s=prof.collective_overhead_s, **common,
+    )
+    tok_per_s, plain, final, tokens = decode_speed(sc, layers)
+
+    steps = [
+        {"step": "seed arithmetic", "tok_per_s": naive_tok,
+         "cause": f"{m.active_params / 1e9:.1f} B active params x {avg_bits:.2f} bits avg = "
+                  f"{naive_bytes / GB:.1f} GB per token over {sc.boxes} x {sc.box.memory_bandwidth_gbps:g} GB/s"},
+        {"step": "per-group precision", "tok_per_s": precision_tok,
+         "cause": f"each tensor group at its own format ({_formats_text(sc.formats, m)}): "
+                  f"{active_bytes / GB:.1f} GB read per token"},
+    ]
+    if plan.pp > 1:
+        steps.append({"step": "pipeline stages take turns", "tok_per_s": stage_bw / active_bytes,
+                      "cause": f"at batch 1 only one of {plan.pp} stages ({plan.tp} boxes) reads at a time"})
+    steps += [
+        {"step": "per-rank reads", "tok_per_s": _tok(even),
+         "cause": f"replicated weights (routers, norms, latent/MLA down-projections), LM head and the "
+                  f"KV cache at {ctx} tokens on every rank: {even.bytes_busiest / GB:.2f} GB per rank per token"},
+    ]
+    if m.moe is not None and plan.ep > 1:
+        steps.append({"step": "expert imbalance", "tok_per_s": _tok(roof),
+                      "cause": f"busiest rank holds {roof.experts_busiest:.2f} of {m.moe.top_k} picked experts "
+                               f"per layer (average {roof.experts_average:.2f})"})
+    ceiling = _tok(roof)
+    compute_bound = effic.compute_s > effic.memory_s
+    steps.append({"step": f"{prof.name} kernel efficiency", "tok_per_s": _tok(effic),
+                  "cause": f"{prof.mem_efficiency:.0%} of peak memory bandwidth"
+                           + (f"; compute-bound layers at {prof.compute_efficiency:.0%} of peak FLOPS" if compute_bound else "")})
+    if plan.world_size > 1:
+        steps.append({"step": "collective latency", "tok_per_s": _tok(net),
+                      "cause": f"{net.collectives_per_step} collectives per token over {sc.link.name}; one "
+                               f"all-reduce ({net.allreduce_algorithm}) = {net.allreduce_s * 1e6:.0f} us on the wire"
+                               + (f" + {prof.collective_overhead_s * 1e6:.0f} us software per call" if hw.network else "")})
+    steps.append({"step": "host overhead", "tok_per_s": _tok(plain),
+                  "cause": f"{prof.step_overhead_s * 1e3:.2f} ms per step (launches, sampling, scheduling)"})
+    spec = None
+    if sc.spec_tokens:
+        spec = {
+            "spec_tokens": sc.spec_tokens, "acceptance": sc.acceptance, "tokens_per_step": tokens,
+            "verify_step_s": final.total_s, "plain_step_s": plain.total_s,
+            "verify_experts_busiest": final.experts_busiest, "speedup": _tok(final, tokens) / _tok(plain),
+        }
+        steps.append({"step": "speculative decoding", "tok_per_s": _tok(final, tokens),
+                      "cause": f"{sc.spec_tokens} drafts at acceptance {sc.acceptance:g}: {tokens:.2f} tokens per "
+                               f"verify step of {final.total_s * 1e3:.1f} ms (vs {plain.total_s * 1e3:.1f} ms)"
+                               + (f"; verify reads {final.experts_busiest:.1f} experts on the busiest rank" if m.moe else "")})
+    parts = {
+        "memory bandwidth": final.memory_s if final.memory_s >= final.compute_s else 0.0,
+        "compute": final.compute_s if final.compute_s > final.memory_s else 0.0,
+        "network latency": final.collective_s,
+        "host overhead": final.overhead_s,
+    }
+    bottleneck = max(parts, key=parts.get)
+    imbalance = None
+    if m.moe is not None:
+        imbalance = {
+            "experts_per_token": m.moe.top_k, "ep": plan.ep,
+            "expected_busiest": roof.experts_busiest, "average": roof.experts_average,
+            **{f"monte_carlo_{k}": v for k, v in load_percentiles(m.moe.num_experts, m.moe.top_k, plan.ep, samples=4000).items()},
+        }
+
+    fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction)
+    prefill = _prefill(sc, layers, bits, hw)
+    power = _power(sc, tok_per_s)
+    cost = _cost(sc, tok_per_s)
+    return {
+        "model": {
+            "name": m.name, "model_type": m.model_type, "total_params": m.total_params,
+            "active_params": m.active_params, "active_convention": ACTIVE_CONVENTION,
+            "layers": m.num_layers, "experts": m.moe.num_experts if m.moe else 0,
+            "experts_per_token": m.moe.top_k if m.moe else 0,
+            "formats": dict(sc.formats), "avg_bits_per_weight": avg_bits,
+            "cache_bytes_per_token": m.cache_bytes_per_token(sc.kv_bytes),
+        },
+        "cluster": {
+            "box": sc.box.name, "boxes": sc.boxes, "link": sc.link.name,
+            "memory_bandwidth_gbps": sc.box.memory_bandwidth_gbps, "link_bandwidth_gbps": sc.link.bandwidth_gbps,
+            "link_latency_s": sc.link.latency_s,
+        },
+        "plan": {"tp": plan.tp, "ep": plan.ep, "pp": plan.pp, "layout": plan.describe(), "runtime": prof.name},
+        "memory": {
+            "box_bytes": fit.box_bytes, "weights_bytes": fit.weights_bytes, "kv_bytes": fit.kv_bytes,
+            "workspace_bytes": fit.workspace_bytes, "reserve_bytes": fit.reserve_bytes, "free_bytes": fit.free_bytes,
+            "total_weight_bytes": fit.total_weight_bytes, "min_boxes_weights": fit.min_boxes_weights,
+            "min_boxes": fit.min_boxes, "min_boxes_layout": fit.min_boxes_layout, "fits": fit.fits,
+            "context_tokens": ctx,
+        },
+        "decode": {
+            "naive_bytes_per_token": naive_bytes, "bytes_per_token": active_bytes,
+            "busiest_rank_bytes_per_token": roof.bytes_busiest,
+            "naive_ceiling_tok_per_s": naive_tok, "ceiling_tok_per_s": ceiling, "tok_per_s": tok_per_s,
+            "step_s": final.total_s, "memory_s": final.memory_s, "compute_s": final.compute_s,
+            "collective_s": final.collective_s, "overhead_s": final.overhead_s,
+            "allreduce_algorithm": final.allreduce_algorithm, "allreduce_s": final.allreduce_s,
+            "collectives_per_step": final.collectives_per_step, "bottleneck": bottleneck,
+            "waterfall": steps, "speculative": spec, "expert_imbalance": imbalance,
+            "per_layer_s": list(final.per_layer_s),
+        },
+        "prefill": prefill,
+        "power": power,
+        "cost": cost,
+        "notes": list(sc.notes),
+    }
+
+
+def _formats_text(formats: dict[str, str], m: ModelSpec) -> str:
+    present = [g for g, n in m.params_by_group.items() if n]
+    by_fmt: dict[str, list[str]] = {}
+    for g in present:
+        by_fmt.setdefault(formats[g], []).append(g)
+    return "; ".join(f"{f}: {', '.join(gs)}" for f, gs in by_fmt.items())
+
+
+def _prefill(sc: Scenario, layers, bits, hw: Hardware) -> dict:
+    """Prefill of ``prompt_tokens``: compute-bound matmuls, every local expert read once,
+    two all-reduces per layer of prompt × hidden × 2 bytes (link bandwidth matters here)."""
+    from shardwise.perf import collectives
+
+    m, plan, prof = sc.model, sc.plan, sc.profile
+    p_tok = sc.prompt_tokens
+    peak = hw.peak_flops * prof.compute_efficiency
+    bw = hw.mem_bandwidth_bytes_per_s * prof.mem_efficiency
+    local_experts = m.moe.num_experts // plan.ep if m.moe else 0
+    uses = p_tok * m.moe.top_k / plan.ep if m.moe else 0  # expert-token uses per rank
+    compute_s = memory_s = 0.0
+    for lc in layers:
+        flops = 2 * p_tok * lc.dense_numel + 2 * uses * lc.expert_numel * (1 if lc.expert_bytes else 0)
+        ctx = p_tok if lc.window is None else min(p_tok, lc.window)
+        flops += p_tok * (lc.attn_flops_per_ctx * ctx / 2 + lc.attn_flops_const)
+        nbytes = lc.dense_bytes + (local_experts * lc.expert_bytes if lc.expert_bytes else 0)
+        compute_s += max(flops / peak, nbytes / bw)
+        memory_s += nbytes / bw
+    head = 2 * p_tok * m.hidden_size * m.vocab_size / plan.tp
+    compute_s += head / peak
+    msg = p_tok * m.hidden_size * 2
+    comm_s = 0.0
+    per_call = prof.collective_overhead_s if hw.network else 0.0
+    if plan.tp > 1:
+        ring = float(collectives.ring_allreduce_s(msg, plan.tp, hw.link_alpha_s, hw.link_beta_bytes_per_s))
+        comm_s = 2 * m.num_layers * (ring + per_call)
+    if plan.pp > 1:
+        comm_s += (plan.pp - 1) * (float(collectives.point_to_point_s(msg, hw.link_alpha_s, hw.link_beta_bytes_per_s)) + per_call)
+    total = compute_s + comm_s + prof.step_overhead_s
+    return {
+        "prompt_tokens": p_tok, "tok_per_s": p_tok / total, "compute_s": compute_s, "collective_s": comm_s,
+        "bottleneck": "network bandwidth" if comm_s > compute_s else "compute",
+    }
+
+
+def _power(sc: Scenario, tok_per_s: float) -> dict:
+    box, link = sc.box, sc.link
+    switch_w = (link.switch_watts or 0.0) if sc.boxes > 2 else 0.0
+    load = sc.boxes * box.load_watts + switch_w
+    return {
+        "rated_watts": sc.boxes * box.rated_watts, "load_watts": load,
+        "idle_watts": sc.boxes * box.idle_watts + switch_w, "switch_watts": switch_w,
+        "joules_per_token": load / tok_per_s,
+    }
+
+
+def _cost(sc: Scenario, tok_per_s: float) -> dict:
+    switch = (sc.link.switch_price_usd or 0.0) if sc.boxes > 2 else 0.0
+    boxes_usd = sc.boxes * sc.price_usd
+    return {
+        "usd": boxes_usd, "price_per_box_usd": sc.price_usd, "price_note": sc.price_note,
+        "switch_usd": switch, "total_usd": boxes_usd + switch, "usd_per_tok_per_s": (boxes_usd + switch) / tok_per_s,
+    }

@@ -1,0 +1,205 @@
+"""Published measurements: read ``data/measurements.csv`` rows and resolve them to scenarios.
+
+Free-text model, hardware, link, software and quantization names are resolved through the
+alias table ``spec/catalog/aliases.toml``; a row whose text matches no alias (or that the
+model does not cover, e.g. batch 32) is returned as unresolved with the reason — never guessed.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from shardwise.errors import ShardwiseError
+from shardwise.perf.speculative import WORKLOADS
+from shardwise.plan import ParallelPlan, default_plan, validate_plan
+from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec, load_model
+
+REQUIRED_COLUMNS = (
+    "id", "model", "hardware", "num_devices", "interconnect", "software", "parallelism", "quant_format",
+    "prompt_tokens", "context_depth_tokens", "gen_tokens", "batch_size", "decode_tok_s", "prefill_tok_s",
+    "speculative_decoding", "source",
+)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One published point, as written in the CSV (numbers parsed where they are numbers)."""
+
+    id: str
+    model: str
+    hardware: str
+    num_devices: int
+    interconnect: str
+    software: str
+    parallelism: str
+    quant_format: str
+    prompt_tokens: int | None
+    context_depth_tokens: int | None
+    gen_tokens: int | None
+    batch_size: str
+    decode_tok_s: float | None
+    prefill_tok_s: float | None
+    speculative_decoding: str
+    source: str
+
+
+@dataclass(frozen=True)
+class ResolvedRow:
+    """A measurement mapped onto catalog entries and a layout."""
+
+    measurement: Measurement
+    model: ModelSpec
+    box_key: str
+    link_key: str
+    plan: ParallelPlan
+    formats: dict[str, str]
+    profile: str
+    context_tokens: int
+    spec_tokens: int
+    acceptance: float
+    notes: tuple[str, ...] = field(default=())
+
+
+def parse_number(text: str) -> float | None:
+    """'~70' -> 70, '5-9' -> 7 (midpoint), '1,234' -> 1234, '' / 'not stated' -> None."""
+    text = (text or "").strip().replace(",", "")
+    numbers = re.findall(r"\d+(?:\.\d+)?", text)
+    if not numbers:
+        return None
+    if re.match(r"^~?\s*\d+(?:\.\d+)?\s*-\s*\d+(?:\.\d+)?$", text):
+        lo, hi = float(numbers[0]), float(numbers[1])
+        return (lo + hi) / 2
+    return float(numbers[0])
+
+
+def read_measurements(path: str | Path) -> list[Measurement]:
+    """Rows of a measurements CSV with the columns of ``data/measurements.csv``."""
+    path = Path(path)
+    if not path.exists():
+        raise ShardwiseError(f"measurements file '{path}' does not exist")
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ShardwiseError(f"measurements file '{path}' lacks column(s) {', '.join(missing)}")
+        out = []
+        for row in reader:
+            def num(key: str) -> int | None:
+                v = parse_number(row[key])
+                return None if v is None else int(v)
+
+            out.append(
+                Measurement(
+                    id=row["id"], model=row["model"], hardware=row["hardware"],
+                    num_devices=num("num_devices") or 1, interconnect=row["interconnect"],
+                    software=row["software"], parallelism=row["parallelism"], quant_format=row["quant_format"],
+                    prompt_tokens=num("prompt_tokens"), context_depth_tokens=num("context_depth_tokens"),
+                    gen_tokens=num("gen_tokens"), batch_size=row["batch_size"],
+                    decode_tok_s=parse_number(row["decode_tok_s"]), prefill_tok_s=parse_number(row["prefill_tok_s"]),
+                    speculative_decoding=row["speculative_decoding"], source=row["source"],
+                )
+            )
+    return out
+
+
+@lru_cache(maxsize=1)
+def aliases() -> dict[str, list[dict]]:
+    """The alias table (regex entries per kind)."""
+    text = resources.files("shardwise.spec.catalog").joinpath("aliases.toml").read_text()
+    return tomllib.loads(text)
+
+
+def match_alias(kind: str, text: str) -> dict | None:
+    """First alias entry of ``kind`` whose pattern matches ``text`` (case-insensitive)."""
+    for entry in aliases()[kind]:
+        if re.search(entry["pattern"], text, flags=re.IGNORECASE):
+            return entry
+    return None
+
+
+def _parallelism(text: str, devices: int, model: ModelSpec) -> ParallelPlan:
+    t = text.lower()
+    if devices <= 1 or t.startswith("single"):
+        return ParallelPlan()
+    tp = re.search(r"(?:tp=|tensor\s*)(\d+)", t)
+    ep = re.search(r"(?:ep=|expert\s*)(\d+)", t)
+    if "pipeline" in t or "layer split" in t:
+        return ParallelPlan(pp=devices)
+    if tp:
+        tp_n = int(tp.group(1))
+        return ParallelPlan(tp=tp_n, ep=int(ep.group(1)) if ep else 1, pp=max(devices // tp_n, 1))
+    return default_plan(model, devices)
+
+
+def resolve(m: Measurement) -> ResolvedRow | str:
+    """A ResolvedRow, or the reason the row cannot be resolved."""
+    from shardwise.spec.hardware import get_box, get_link
+
+    if m.decode_tok_s is None:
+        return "no decode tok/s"
+    if not m.batch_size.strip().startswith("1"):
+        return f"batch {m.batch_size}: the model covers batch 1"
+    notes: list[str] = []
+    model_alias = match_alias("models", m.model)
+    if model_alias is None:
+        return f"model '{m.model}' has no bundled config"
+    model = load_model(model_alias["key"])
+    if "note" in model_alias:
+        notes.append(model_alias["note"])
+    box_alias = match_alias("boxes", m.hardware)
+    if box_alias is None:
+        return f"hardware '{m.hardware}' is not in the catalog"
+    try:
+        get_box(box_alias["key"])
+    except ShardwiseError:
+        return f"hardware '{m.hardware}' -> '{box_alias['key']}' is not in the catalog"
+    if m.num_devices > 1:
+        link_alias = match_alias("links", m.interconnect)
+        if link_alias is None:
+            return f"interconnect '{m.interconnect}' is not in the catalog"
+        link_key = link_alias["key"]
+        try:
+            get_link(link_key)
+        except ShardwiseError:
+            return f"interconnect '{m.interconnect}' -> '{link_key}' is not in the catalog"
+    else:
+        link_key = "pcie4-x16"
+    soft = match_alias("software", m.software)
+    if soft is None:
+        return f"software '{m.software}' has no runtime profile"
+    quant = match_alias("quant", m.quant_format)
+    if quant is None:
+        return f"quantization '{m.quant_format}' is not a known format"
+    formats = model.group_formats()
+    if quant["format"] != "checkpoint":
+        groups = MATMUL_GROUPS if quant.get("groups", "matmul") == "matmul" else (ROUTED_EXPERTS,)
+        formats.update({g: quant["format"] for g in groups})
+    plan = _parallelism(m.parallelism, m.num_devices, model)
+    try:
+        validate_plan(model, plan)
+    except ShardwiseError as exc:
+        return f"layout '{m.parallelism}' does not fit the model: {exc}"
+    context = (m.prompt_tokens or 0) + (m.context_depth_tokens or 0) + (m.gen_tokens or 0) // 2
+    spec_tokens, acceptance = 0, 0.0
+    spec = m.speculative_decoding.lower()
+    if spec.startswith("yes"):
+        k = re.search(r"(\d+)\s*(?:draft tokens|next-n)", spec)
+        if k is None and "chat" not in spec:
+            return f"speculative decoding '{m.speculative_decoding}' does not say how many tokens are drafted"
+        spec_tokens = int(k.group(1)) if k else 7
+        workload = "chat" if "chat" in spec else "code-edit"
+        acceptance = WORKLOADS[workload].acceptance
+        notes.append(f"acceptance {acceptance} assumed ({workload} workload)")
+        if k is None:
+            notes.append("7 draft tokens assumed (the seed's setting)")
+    return ResolvedRow(
+        measurement=m, model=model, box_key=box_alias["key"], link_key=link_key, plan=plan, formats=formats,
+        profile=soft["key"], context_tokens=context, spec_tokens=spec_tokens, acceptance=acceptance,
+        notes=tuple(notes),
+    )

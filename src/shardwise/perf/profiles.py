@@ -1,0 +1,71 @@
+"""Runtime profiles: the named efficiency factors that turn a roofline into an estimate.
+
+Pure rooflines over-predict real systems by 1.5–3×. Each profile keeps its factors explicit:
+- ``mem_efficiency``: fraction of the box's peak memory bandwidth achieved on weight reads;
+- ``compute_efficiency``: fraction of peak matmul throughput achieved;
+- ``step_overhead_s``: host time per decode step (kernel launches, sampling, scheduling), seconds;
+- ``collective_overhead_s``: software time per collective on top of the link's α, seconds;
+- ``allreduce``: the all-reduce algorithms that runtime can use (the planner picks the cheapest).
+
+``ideal`` is the pure roofline. The others are fitted to ``data/measurements.csv`` by
+``shardwise.perf.calibrate`` and stored in ``spec/catalog/profiles.toml`` together with the
+rows, the fit's median APE and the date; a test re-fits and checks the stored values.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from shardwise.errors import ShardwiseError, unknown_name
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    """Efficiency factors of one inference runtime (see module docstring for units)."""
+
+    name: str
+    description: str
+    mem_efficiency: float
+    compute_efficiency: float
+    step_overhead_s: float
+    collective_overhead_s: float
+    allreduce: tuple[str, ...]
+    fitted_rows: int = 0
+    fit_median_ape: float | None = None
+    source: str = ""
+
+
+@lru_cache(maxsize=1)
+def load_profiles() -> dict[str, RuntimeProfile]:
+    """Profiles from the bundled profiles.toml, by name."""
+    text = resources.files("shardwise.spec.catalog").joinpath("profiles.toml").read_text()
+    data = tomllib.loads(text)
+    out = {}
+    for name, entry in data.items():
+        try:
+            out[name] = RuntimeProfile(
+                name=name,
+                description=entry["description"],
+                mem_efficiency=float(entry["mem_efficiency"]),
+                compute_efficiency=float(entry["compute_efficiency"]),
+                step_overhead_s=float(entry["step_overhead_s"]),
+                collective_overhead_s=float(entry["collective_overhead_s"]),
+                allreduce=tuple(entry["allreduce"]),
+                fitted_rows=int(entry.get("fitted_rows", 0)),
+                fit_median_ape=entry.get("fit_median_ape"),
+                source=entry.get("source", ""),
+            )
+        except KeyError as exc:
+            raise ShardwiseError(f"profiles.toml [{name}] is missing field {exc.args[0]}") from None
+    return out
+
+
+def get_profile(name: str) -> RuntimeProfile:
+    """A runtime profile by name (unknown names suggest the closest)."""
+    profiles = load_profiles()
+    if name not in profiles:
+        raise unknown_name("runtime profile", name, profiles)
+    return profiles[name]

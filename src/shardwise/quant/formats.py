@@ -1,0 +1,132 @@
+"""Quantization formats the planner knows, with their real storage cost.
+
+bits_per_weight counts every stored bit per weight, block scales included, so
+weight bytes = params × bits_per_weight / 8. MXFP4 and NVFP4 figures come from the
+codec modules' constants, so the planner and the codecs cannot disagree.
+"""
+
+from dataclasses import dataclass
+
+from shardwise.errors import unknown_name
+from shardwise.quant import mxfp4, nvfp4
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One storage format.
+
+    bits_per_weight: stored bits per weight including scales (bits).
+    block_size: weights sharing one scale, or None for unscaled formats.
+    scale_bits: bits of each block scale (0 when there is none).
+    """
+
+    name: str
+    bits_per_weight: float
+    block_size: int | None
+    scale_bits: int
+    description: str
+    source: str
+
+    def weight_bytes(self, params: int) -> float:
+        """Bytes to store params weights in this format."""
+        return params * self.bits_per_weight / 8
+
+
+_OCP_MX = (
+    "OCP Microscaling Formats (MX) Specification v1.0, "
+    "https://www.opencompute.org/documents/ocp-microscaling-formats-mx-v1-0-spec-final-pdf"
+)
+_GGML = "ggml ggml-common.h (https://github.com/ggml-org/ggml/blob/master/src/ggml-common.h)"
+
+_FORMATS = (
+    QuantFormat(
+        "bf16", 16.0, None, 0, "bfloat16: 1 sign, 8 exponent, 7 mantissa bits (float32's range)",
+        "Google Brain bfloat16; Intel BFLOAT16 Hardware Numerics Definition (2018)",
+    ),
+    QuantFormat("fp16", 16.0, None, 0, "IEEE 754 binary16", "IEEE 754-2008 binary16"),
+    QuantFormat("fp32", 32.0, None, 0, "IEEE 754 binary32", "IEEE 754-2008 binary32"),
+    QuantFormat(
+        "fp8",
+        8 + 32 / (128 * 128),
+        128 * 128,
+        32,
+        "FP8 E4M3 weights with one fp32 scale per 128x128 block (8 + 32/16384 ≈ 8.002 bits); "
+        "per-channel or 1x128 activation-style scales would cost ≈ 8.25 bits",
+        "DeepSeek-V3 config.json quantization_config: quant_method fp8, fmt e4m3, weight_block_size [128, 128] "
+        "(https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json)",
+    ),
+    QuantFormat(
+        "mxfp4",
+        mxfp4.ELEMENT_BITS + mxfp4.SCALE_BITS / mxfp4.BLOCK_SIZE,
+        mxfp4.BLOCK_SIZE,
+        mxfp4.SCALE_BITS,
+        f"{mxfp4.BLOCK_SIZE} FP4 E2M1 elements share one E8M0 scale byte",
+        _OCP_MX,
+    ),
+    QuantFormat(
+        "nvfp4",
+        nvfp4.ELEMENT_BITS + nvfp4.SCALE_BITS / nvfp4.BLOCK_SIZE,
+        nvfp4.BLOCK_SIZE,
+        nvfp4.SCALE_BITS,
+        f"{nvfp4.BLOCK_SIZE} FP4 E2M1 elements share one FP8 E4M3 scale, plus one {nvfp4.GLOBAL_SCALE_BITS}-bit "
+        "fp32 scale per tensor (negligible per weight)",
+        "NVIDIA, Introducing NVFP4 for Efficient and Accurate Low-Precision Inference "
+        "(https://developer.nvidia.com/blog/introducing-nvfp4-for-efficient-and-accurate-low-precision-inference/); "
+        "TensorRT Model Optimizer NVFP4QTensor",
+    ),
+    QuantFormat(
+        "int4-g128",
+        4 + 16 / 128,
+        128,
+        16,
+        "INT4 weights with one 16-bit scale per 128 weights (symmetric, 4.125 bits); "
+        "asymmetric GPTQ/AWQ with a 16-bit zero point per group costs 4.25 bits",
+        "Frantar et al., GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers, "
+        "arXiv:2210.17323",
+    ),
+    QuantFormat(
+        "q4_0",
+        18 * 8 / 32,
+        32,
+        16,
+        "GGUF block_q4_0: fp16 scale + 32 4-bit weights = 18 bytes per 32 weights",
+        f"{_GGML}, struct block_q4_0",
+    ),
+    QuantFormat(
+        "q4_k_m",
+        4.85,
+        32,
+        6,
+        "GGUF Q4_K_M mix: mostly Q4_K (256-weight super-blocks of 144 bytes = 4.5 bits, a 6-bit scale and "
+        "min per 32 weights), some tensors Q6_K (6.5625 bits); "
+        "measured from file sizes, e.g. Llama-3.1-70B 39.59 GiB / 70.55 B params ≈ 4.82 bits",
+        f"{_GGML}, struct block_q4_K; llama.cpp quantize presets (Q4_K_M)",
+    ),
+    QuantFormat(
+        "q8_0",
+        34 * 8 / 32,
+        32,
+        16,
+        "GGUF block_q8_0: fp16 scale + 32 int8 weights = 34 bytes per 32 weights",
+        f"{_GGML}, struct block_q8_0",
+    ),
+    QuantFormat(
+        "mxfp8",
+        8 + 8 / 32,
+        32,
+        8,
+        "32 FP8 (E4M3 or E5M2) elements share one E8M0 scale byte",
+        _OCP_MX,
+    ),
+)
+
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in _FORMATS}
+"""Every known format by name."""
+
+
+def get_format(name: str) -> QuantFormat:
+    """The format called name; unknown names raise ShardwiseError with suggestions."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise unknown_name("quantization format", name, FORMATS) from None

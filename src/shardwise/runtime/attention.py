@@ -1,0 +1,181 @@
+"""Attention blocks with a static per-rank KV cache.
+
+- ``GQAttention``: Llama / Qwen3-MoE / gpt-oss attention. q, k, v are column-parallel by
+  heads (KV heads replicate when there are fewer than TP ranks), o_proj row-parallel.
+  Options: per-head q/k RMSNorm (Qwen3), biases and attention sinks (gpt-oss), a sliding
+  window (gpt-oss's alternating layers).
+- ``MLAttention``: DeepSeek-V3 multi-head latent attention. q_a and kv_a are replicated,
+  q_b and kv_b column-parallel by heads, o_proj row-parallel; the cache holds the latent
+  (kv_lora_rank normalised + qk_rope_head_dim rotated) per token, replicated on every rank.
+
+Both return this rank's partial o_proj output; the decoder layer all-reduces it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.runtime.layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RMSNorm,
+    RowParallelLinear,
+    Shard,
+    apply_rotary,
+    apply_rotary_interleaved,
+    shard_param,
+)
+from shardwise.spec.model import TensorSpec
+
+
+def attention_mask(q_pos: torch.Tensor, length: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [T, length]: query at position p sees keys j <= p (and j > p - window)."""
+    k_pos = torch.arange(length)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager attention like transformers': q [B, H, T, d], k/v [B, H, L, d] → [B, T, H·dv]."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling + mask
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # gpt-oss: one learned logit per head joins the softmax and is then dropped
+        sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
+    out = torch.matmul(probs, v)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention over this rank's heads, static KV cache [B, kv_local, S, d]."""
+
+    def __init__(
+        self,
+        tensors: dict[str, TensorSpec],
+        shard: Shard,
+        dtype: torch.dtype,
+        *,
+        head_dim: int,
+        eps: float,
+        max_seq_len: int,
+        max_batch: int = 1,
+        window: int | None = None,
+    ):
+        super().__init__()
+        t = tensors
+        self.q_proj = ColumnParallelLinear(t["q_proj.weight"], shard, dtype, t.get("q_proj.bias"))
+        self.k_proj = ColumnParallelLinear(t["k_proj.weight"], shard, dtype, t.get("k_proj.bias"))
+        self.v_proj = ColumnParallelLinear(t["v_proj.weight"], shard, dtype, t.get("v_proj.bias"))
+        self.o_proj = RowParallelLinear(t["o_proj.weight"], shard, dtype, t.get("o_proj.bias"))
+        self.q_norm = RMSNorm(t["q_norm.weight"], shard, dtype, eps) if "q_norm.weight" in t else None
+        self.k_norm = RMSNorm(t["k_norm.weight"], shard, dtype, eps) if "k_norm.weight" in t else None
+        self.sinks = shard_param(t["sinks"], shard, dtype) if "sinks" in t else None
+        self.head_dim = head_dim
+        self.heads = self.q_proj.weight.shape[0] // head_dim
+        self.kv_heads = self.k_proj.weight.shape[0] // head_dim
+        self.groups = self.heads // self.kv_heads
+        self.scaling = head_dim**-0.5
+        self.window = window
+        cache_shape = (max_batch, self.kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        self.k_cache[:b, :, start:end] = k
+        self.v_cache[:b, :, start:end] = v
+        keys = self.k_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
+        values = self.v_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
+        mask = attention_mask(positions, end, self.window, q.dtype)
+        out = _attend(q, keys, values, mask, self.scaling, self.sinks)
+        return self.o_proj(out)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention over this rank's heads.
+
+    The latent cache [B, S, kv_lora_rank + rope] is what DeepSeek stores per token; keys
+    and values of this rank's heads are expanded from it through kv_b each step.
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, TensorSpec],
+        shard: Shard,
+        dtype: torch.dtype,
+        *,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scaling: float,
+        interleaved_rope: bool,
+        eps: float,
+        max_seq_len: int,
+        max_batch: int = 1,
+    ):
+        super().__init__()
+        t = tensors
+        if "q_a_proj.weight" in t:
+            self.q_a_proj = ReplicatedLinear(t["q_a_proj.weight"], shard, dtype)
+            self.q_a_layernorm = RMSNorm(t["q_a_layernorm.weight"], shard, dtype, eps)
+            self.q_b_proj = ColumnParallelLinear(t["q_b_proj.weight"], shard, dtype)
+            self.q_proj = None
+        else:
+            self.q_proj = ColumnParallelLinear(t["q_proj.weight"], shard, dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(t["kv_a_proj_with_mqa.weight"], shard, dtype)
+        self.kv_a_layernorm = RMSNorm(t["kv_a_layernorm.weight"], shard, dtype, eps)
+        self.kv_b_proj = ColumnParallelLinear(t["kv_b_proj.weight"], shard, dtype)
+        self.o_proj = RowParallelLinear(t["o_proj.weight"], shard, dtype)
+        self.kv_lora_rank, self.nope, self.rope_dim, self.v_dim = kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.heads = self.kv_b_proj.weight.shape[0] // (qk_nope_head_dim + v_head_dim)
+        self.scaling = scaling
+        self.rotate = apply_rotary_interleaved if interleaved_rope else apply_rotary
+        shape = (max_batch, max_seq_len, kv_lora_rank + qk_rope_head_dim)
+        self.register_buffer("latent_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, n, _ = x.shape
+        if self.q_proj is None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(b, n, self.heads, self.nope + self.rope_dim).transpose(1, 2)
+        q_pass, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        kv_nope, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope)
+        cos, sin = rope
+        q_rot = self.rotate(q_rot, cos, sin)
+        k_rot = self.rotate(k_rot.unsqueeze(1), cos, sin).squeeze(1)
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        self.latent_cache[:b, start:end] = torch.cat([kv_nope, k_rot], dim=-1)
+        latent = self.latent_cache[:b, :end]
+        kv = self.kv_b_proj(latent[..., : self.kv_lora_rank]).view(b, end, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
+        keys = torch.cat([k_nope, latent[..., self.kv_lora_rank :].unsqueeze(1).expand(-1, self.heads, -1, -1)], dim=-1)
+        query = torch.cat([q_pass, q_rot], dim=-1)
+        mask = attention_mask(positions, end, None, query.dtype)
+        out = _attend(query, keys, values, mask, self.scaling)
+        return self.o_proj(out)

@@ -1,0 +1,161 @@
+"""Prefill + decode loop over a ShardedCausalLM, run identically on every rank.
+
+Greedy decoding all-gathers one (value, index) pair per rank; sampling all-gathers the
+full logits and draws with a ``torch.Generator`` seeded the same on every rank, so every
+rank picks the same token without an extra broadcast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise.errors import ShardwiseError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; otherwise softmax(logits / T) restricted to the top-p nucleus."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ShardwiseError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ShardwiseError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (EOS included when hit) and timings of this rank."""
+
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    stopped_by: str  # "eos" or "max_new_tokens"
+    step_s: list[float] = field(default_factory=list)
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Decode throughput (tokens after the first, per second)."""
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+def eos_ids(config) -> set[int]:
+    """EOS token ids from a config (``eos_token_id`` int, list or absent)."""
+    value = config.get("eos_token_id")
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, list) else {int(value)}
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the smallest set whose probability reaches ``top_p``
+    (transformers' TopPLogitsWarper: the most likely token always stays)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - top_p)
+    remove[..., -1:] = False
+    return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+class _Picker:
+    """Turns the last hidden state into the next token id, the same on every rank."""
+
+    def __init__(self, model, params: SamplingParams):
+        self.model, self.params = model, params
+        self.gen: torch.Generator | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> int:
+        head = self.model.lm_head
+        if self.params.temperature == 0:
+            return int(head.greedy(hidden)[0])
+        logits = head.logits(hidden).float()[0] / self.params.temperature
+        probs = torch.softmax(top_p_filter(logits, self.params.top_p), dim=-1)
+        if self.gen is None:  # on the logits' device, seeded alike on every rank
+            self.gen = torch.Generator(device=probs.device).manual_seed(self.params.seed)
+        return int(torch.multinomial(probs, 1, generator=self.gen)[0])
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    eos: set[int] | None = None,
+) -> GenerationResult:
+    """Prefill ``prompt_ids`` then decode up to ``max_new_tokens`` tokens (stopping after EOS).
+
+    Every rank of the model's group must call this with the same arguments.
+    """
+    if not prompt_ids:
+        raise ShardwiseError("the prompt is empty: pass at least one token")
+    if max_new_tokens < 1:
+        raise ShardwiseError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    total = len(prompt_ids) + max_new_tokens
+    if total > model.max_seq_len:
+        raise ShardwiseError(
+            f"prompt ({len(prompt_ids)}) + max new tokens ({max_new_tokens}) = {total} exceeds the "
+            f"KV cache of {model.max_seq_len} tokens"
+        )
+    vocab = model.spec.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ShardwiseError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+    eos = eos_ids(model.spec.config) if eos is None else eos
+    pick = _Picker(model, sampling or SamplingParams())
+    t0 = time.perf_counter()
+    hidden = model(torch.tensor([list(prompt_ids)]), 0)
+    token = pick(hidden[:, -1])
+    prefill_s = time.perf_counter() - t0
+    tokens, steps = [token], []
+    pos = len(prompt_ids)
+    t1 = time.perf_counter()
+    while token not in eos and len(tokens) < max_new_tokens:
+        ts = time.perf_counter()
+        hidden = model(torch.tensor([[token]]), pos)
+        token = pick(hidden[:, -1])
+        steps.append(time.perf_counter() - ts)
+        tokens.append(token)
+        pos += 1
+    decode_s = time.perf_counter() - t1
+    return GenerationResult(
+        tokens=tokens, prompt_tokens=len(prompt_ids), prefill_s=prefill_s, decode_s=decode_s,
+        stopped_by="eos" if token in eos else "max_new_tokens", step_s=steps,
+    )
+
+
+def load_tokenizer(folder: str | Path):
+    """The checkpoint's ``tokenizer.json`` as a ``tokenizers.Tokenizer``, or None when absent."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise ShardwiseError(f"cannot read '{path}': {exc}") from None
+
+
+def encode_prompt(folder: str | Path, text: str) -> list[int]:
+    """Token ids of ``text`` with the checkpoint's tokenizer.json."""
+    tok = load_tokenizer(folder)
+    if tok is None:
+        raise ShardwiseError(f"'{folder}' has no tokenizer.json: pass --prompt-ids instead of --prompt")
+    ids = tok.encode(text).ids
+    if not ids:
+        raise ShardwiseError("the prompt text encodes to no tokens: pass a longer --prompt")
+    return ids

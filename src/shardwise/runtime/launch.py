@@ -1,0 +1,429 @@
+"""Start and supervise the ranks of a run.
+
+Two ways in:
+
+- ``launch_local(fn, world_size)`` starts ``world_size`` processes on this machine
+  (spawn, not fork, so no torch state is inherited), each joins an ``env://``
+  rendezvous bound to loopback and runs ``fn(rank, world_size, *args)``; the parent
+  collects the per-rank return values. It supervises them: when one rank raises, exits
+  or is killed, the others are terminated and the parent raises ``RankFailure``
+  naming the rank that went first.
+- ``init_from_env(backend)`` is for processes started by ``torchrun`` across hosts
+  (``--nnodes N --node-rank I --master-addr HOST --master-port PORT``), which exports
+  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+
+Every process group gets a finite ``timeout`` so a collective whose peer vanished
+without closing its sockets fails after ``timeout_s`` instead of hanging forever; a
+lost TCP connection (a peer process died) fails at once. Each launched rank also runs a
+watchdog thread that exits the rank when its parent (the launcher) disappears, so a
+killed launcher does not leave ranks behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import multiprocessing
+import os
+import pickle
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.errors import ShardwiseError
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RankContext", "RankFailure", "init_from_env", "launch_local"]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Process-group timeout (s): rendezvous and any single collective give up after this."""
+
+_BACKENDS = ("gloo", "nccl")
+_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_GRACE_S = 0.5  # after the first failure, time (s) to let other ranks report before stopping them
+_TERM_WAIT_S = 3.0  # time (s) between SIGTERM and SIGKILL when stopping a rank
+_WATCHDOG_PERIOD_S = 0.5  # how often (s) a rank checks that its launcher is still alive
+_TEXT_LIMIT = 300  # characters kept of one rank's error text
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*:\d+\]\s*")  # "[…/pair.cc:553] " in gloo messages
+
+
+class RankFailure(ShardwiseError):
+    """A launched rank failed (or the run timed out); the other ranks were stopped.
+
+    ``rank`` is the rank that failed first (None when the run timed out with every rank
+    still alive) and ``exit_codes`` the final exit code of every rank, in rank order
+    (negative: killed by that signal number).
+    """
+
+    def __init__(self, message: str, rank: int | None, exit_codes: list[int | None]):
+        super().__init__(message)
+        self.rank = rank
+        self.exit_codes = exit_codes
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Who this process is in the run, handed to model and runtime code.
+
+    ``local_rank`` is the rank's index on its host (selects the GPU under NCCL) and
+    ``device`` the torch device its tensors live on (``cuda:local_rank`` for NCCL, CPU
+    for gloo).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+    @classmethod
+    def current(cls) -> RankContext:
+        """The context of this process; needs an initialised default process group."""
+        if not dist.is_initialized():
+            raise ShardwiseError(
+                "no process group: call init_from_env() or run under launch_local() first"
+            )
+        backend = str(dist.get_backend())
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        return cls(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, cut to a readable length."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {_SOURCE_PREFIX.sub('', lines[0])}" if lines else type(exc).__name__
+    return text if len(text) <= _TEXT_LIMIT else text[: _TEXT_LIMIT - 1] + "…"
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ShardwiseError(f"unknown backend '{backend}': use one of {', '.join(_BACKENDS)}")
+
+
+def init_from_env(backend: str = "gloo", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """Join the process group described by torchrun's environment; returns (rank, world_size).
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, rendezvouses over
+    ``env://`` with a ``timeout_s`` (s) limit on the rendezvous and on every later
+    collective, and under ``nccl`` selects GPU ``LOCAL_RANK`` first. Returns the current
+    (rank, world_size) if a process group already exists.
+    """
+    _check_backend(backend)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [name for name in _ENV_VARS if not os.environ.get(name)]
+    if missing:
+        raise ShardwiseError(
+            f"missing environment variable(s) {', '.join(missing)}: start with torchrun "
+            "(--nnodes N --node-rank I --master-addr HOST --master-port PORT) or launch_local()"
+        )
+    try:
+        rank, world_size, local_rank, port = (
+            int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+        )
+    except ValueError:
+        values = ", ".join(f"{name}={os.environ[name]!r}" for name in _ENV_VARS if name != "MASTER_ADDR")
+        raise ShardwiseError(f"non-integer launch environment: {values}") from None
+    if not 0 <= rank < world_size:
+        raise ShardwiseError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
+    addr = os.environ["MASTER_ADDR"]
+    device_id = None
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ShardwiseError("backend nccl needs CUDA GPUs but torch sees none: use backend gloo")
+        if local_rank >= torch.cuda.device_count():
+            raise ShardwiseError(
+                f"LOCAL_RANK={local_rank} but this host has {torch.cuda.device_count()} GPU(s)"
+            )
+        torch.cuda.set_device(local_rank)
+        device_id = torch.device("cuda", local_rank)
+    try:
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device_id,
+        )
+    except (RuntimeError, OSError, ValueError) as exc:  # dist.DistError is a RuntimeError
+        raise ShardwiseError(
+            f"rank {rank} of {world_size} could not rendezvous via master {addr}:{port} "
+            f"({backend}) within {timeout_s:g} s: {_one_line(exc)}"
+        ) from exc
+    return rank, world_size
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this rank at once when the launcher that started it is gone."""
+    while True:
+        time.sleep(_WATCHDOG_PERIOD_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    """True for errors caused by a peer going away (secondary failures), not by this rank."""
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and "gloo" in str(exc).lower()
+    )
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    env: dict[str, str],
+    backend: str,
+    timeout_s: float,
+    conn: Connection,
+    parent_pid: int,
+) -> None:
+    """Body of a launched rank: join the group, run ``fn``, send back the result."""
+    os.environ.update(env)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if "OMP_NUM_THREADS" not in os.environ:  # like torchrun: don't oversubscribe the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        init_from_env(backend, timeout_s=timeout_s)
+        result = fn(rank, world_size, *args)
+        conn.send(("ok", result))
+        dist.barrier()  # nobody tears down the store (rank 0) while others still use it
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+        sys.stderr.write(f"[shardwise rank {rank}] {traceback.format_exc()}")
+        try:
+            conn.send(("error", "comm" if _is_comm_error(exc) else "own", _one_line(exc)))
+        except (OSError, pickle.PicklingError):
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skip interpreter teardown, which can block on a broken process group
+    conn.close()
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def _free_port(addr: str) -> int:
+    """A TCP port that is free on ``addr`` right now (the OS picks it)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind(sockaddr)
+            return sock.getsockname()[1]
+    except OSError as exc:
+        raise ShardwiseError(f"cannot bind a rendezvous port on master address {addr}: {exc}") from exc
+
+
+def _loopback_interface(addr: str) -> str | None:
+    """Name of the loopback interface when ``addr`` is a loopback address, else None."""
+    try:
+        if not ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback:
+            return None
+    except (OSError, ValueError):
+        return None
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"killed by signal {-code} (exit code {code})"
+    return f"exit code {code}"
+
+
+class _Supervisor:
+    """Watches the ranks' result pipes and process sentinels until done or failed."""
+
+    def __init__(self, procs: list, conns: list[Connection]):
+        self.procs = procs
+        self.open = dict(enumerate(conns))
+        self.results: list[Any] = [None] * len(procs)
+        self.returned = [False] * len(procs)
+        self.reported: dict[int, tuple[str, str]] = {}  # rank -> (kind, one-line text)
+        self.exited: dict[int, int] = {}
+        self.failed_at: dict[int, float] = {}  # rank -> time.monotonic() of detection
+
+    def _drain(self, rank: int) -> None:
+        conn = self.open.get(rank)
+        while conn is not None and conn.poll():
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                conn.close()
+                del self.open[rank]
+                return
+            if msg[0] == "ok":
+                self.results[rank], self.returned[rank] = msg[1], True
+            else:
+                self.reported[rank] = (msg[1], msg[2])
+                self.failed_at.setdefault(rank, time.monotonic())
+
+    def run(self, run_timeout_s: float | None) -> bool:
+        """Wait until every rank exited (True) or a failure/timeout happened (False)."""
+        deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
+        while len(self.exited) < len(self.procs):
+            limits = [] if deadline is None else [deadline]
+            if self.failed_at:
+                limits.append(min(self.failed_at.values()) + _GRACE_S)
+            timeout = None
+            if limits:
+                timeout = min(limits) - time.monotonic()
+                if timeout <= 0:
+                    return False
+            waitables: dict[Any, tuple[str, int]] = {c: ("pipe", r) for r, c in self.open.items()}
+            for r, proc in enumerate(self.procs):
+                if r not in self.exited:
+                    waitables[proc.sentinel] = ("proc", r)
+            for obj in wait_ready(list(waitables), timeout):
+                kind, r = waitables[obj]
+                self._drain(r)
+                if kind == "proc":
+                    self.procs[r].join()
+                    self.exited[r] = self.procs[r].exitcode
+                    self._drain(r)
+                    if self.exited[r] != 0 or not self.returned[r]:
+                        self.failed_at.setdefault(r, time.monotonic())
+        return not self.failed_at
+
+    def error(self, world_size: int, stopped: list[int], run_timeout_s: float | None) -> RankFailure:
+        """The one-line error naming the first failed rank, then the others."""
+        codes = [proc.exitcode for proc in self.procs]
+
+        def describe(r: int) -> str:
+            if r in self.reported:
+                kind, text = self.reported[r]
+                if kind == "comm":  # knock-on errors: the first sentence says enough
+                    text = text.split(". ")[0]
+                return f"{text} ({_describe_exit(codes[r])})"
+            if codes[r] == 0:
+                return "exited (exit code 0) without returning a result"
+            return _describe_exit(codes[r])
+
+        def order(r: int) -> tuple[int, float]:  # own failures before knock-on comm errors
+            secondary = self.reported.get(r, ("own", ""))[0] == "comm"
+            return (1 if secondary else 0, self.failed_at[r])
+
+        failed = sorted(self.failed_at, key=order)
+        tail = f"; stopped rank(s) {', '.join(map(str, stopped))}" if stopped else ""
+        if not failed:
+            return RankFailure(
+                f"run exceeded run_timeout_s={run_timeout_s:g} s with {world_size} rank(s) "
+                f"still running{tail}",
+                None,
+                codes,
+            )
+        first = failed[0]
+        others = "".join(f"; then rank {r}: {describe(r)}" for r in failed[1:])
+        return RankFailure(
+            f"rank {first} of {world_size} failed: {describe(first)}{others}{tail}", first, codes
+        )
+
+
+def _stop(procs: list) -> None:
+    """Terminate (SIGTERM, then SIGKILL after a grace time) and reap every live process."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    give_up = time.monotonic() + _TERM_WAIT_S
+    for proc in procs:
+        proc.join(max(0.0, give_up - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def launch_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    backend: str = "gloo",
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    run_timeout_s: float | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes; return their results.
+
+    ``fn`` and ``args`` must be picklable (a module-level function) and so must each
+    rank's return value; the list is in rank order. Each process joins an ``env://``
+    rendezvous on ``master_addr:master_port`` (a free port when None) before ``fn``
+    runs, with ``timeout_s`` (s) on the rendezvous and on every collective; with a
+    loopback ``master_addr`` gloo traffic is bound to the loopback interface too.
+    Ranks see the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), so ``RankContext.current()`` works inside ``fn``, and
+    use cpu_count // world_size threads unless OMP_NUM_THREADS is set.
+
+    If a rank raises, exits or is killed, the others are stopped (SIGTERM, then SIGKILL
+    after 3 s) and ``RankFailure`` (a ``ShardwiseError``) names the first failed rank
+    with its exception text or exit code; the rank's traceback goes to stderr. The same
+    happens, naming no rank, when ``run_timeout_s`` (s, None for no limit) elapses.
+    """
+    _check_backend(backend)
+    if world_size < 1:
+        raise ShardwiseError(f"world_size must be at least 1, got {world_size}")
+    port = master_port if master_port is not None else _free_port(master_addr)
+    env = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+    loopback = _loopback_interface(master_addr)
+    if backend == "gloo" and loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = loopback
+    ctx = multiprocessing.get_context("spawn")
+    procs: list = []
+    conns: list[Connection] = []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            conns.append(reader)
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, tuple(args), rank_env, backend, timeout_s, writer,
+                      os.getpid()),
+                name=f"shardwise-rank{rank}",
+            )
+            procs.append(proc)
+            try:
+                proc.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                raise ShardwiseError(
+                    f"cannot send fn/args to the ranks (use a module-level function and "
+                    f"picklable args): {_one_line(exc)}"
+                ) from exc
+            finally:
+                writer.close()
+        supervisor = _Supervisor(procs, conns)
+        if supervisor.run(run_timeout_s):
+            return supervisor.results
+        stopped = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        _stop(procs)
+        raise supervisor.error(world_size, stopped, run_timeout_s)
+    finally:
+        _stop([proc for proc in procs if proc.pid is not None])
+        for conn in conns:
+            conn.close()

@@ -1,0 +1,335 @@
+"""Tensor-parallel building blocks: sharded linear layers, vocab-parallel embedding and LM
+head, RMSNorm, rotary embeddings and the all-reduce hook.
+
+Sharding is declared on the layer: every parameter is created from its ``TensorSpec``
+(the ModelSpec entry with the checkpoint name, logical shape and split dimension) and
+shaped by ``plan.shard_shape``, so a layer holds exactly the slice the planner counts and
+the loader knows which slice to read for it (``param.spec``, ``param.expert``).
+
+Row-parallel layers return **partial sums**; the decoder layer adds the partial sums of a
+whole block (attention, or routed + shared experts) with one call to ``allreduce``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+from shardwise.plan import ParallelPlan, shard_shape, shard_slice
+from shardwise.runtime.comm import get_allreduce
+from shardwise.spec.model import TensorSpec
+
+# ---------------------------------------------------------------------------- all-reduce hook
+
+_allreduce_name = "builtin"
+_allreduce_fn: Callable[..., torch.Tensor] = get_allreduce("builtin")
+
+
+def set_allreduce(name: str) -> None:
+    """Pick the all-reduce algorithm every block uses (a name of ``comm.ALLREDUCE_ALGORITHMS``)."""
+    global _allreduce_name, _allreduce_fn
+    _allreduce_fn = get_allreduce(name)
+    _allreduce_name = name
+
+
+def allreduce_name() -> str:
+    """Name of the all-reduce algorithm in use."""
+    return _allreduce_name
+
+
+def allreduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the tensor-parallel ranks in place and return it (identity on one rank).
+
+    The single point every TP/EP reduction of the runtime goes through (one call per
+    attention block, one per MLP/MoE block, one for the vocab-parallel embedding), so a
+    tracer can wrap it to time collectives.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    return _allreduce_fn(t)
+
+
+# ---------------------------------------------------------------------------- shards
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which slice of the model this process holds: the plan and its global rank."""
+
+    plan: ParallelPlan
+    rank: int = 0
+
+    @property
+    def tp_rank(self) -> int:
+        """Index of this rank inside its tensor-parallel group."""
+        return self.rank % self.plan.tp
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree."""
+        return self.plan.tp
+
+    @property
+    def etp_rank(self) -> int:
+        """Index of this rank among the ranks that split each of its experts."""
+        return self.tp_rank % self.plan.etp
+
+    def shape(self, spec: TensorSpec) -> tuple[int, ...]:
+        """Shape of this rank's slice of ``spec``."""
+        return shard_shape(spec, self.plan, self.tp_rank)
+
+    def span(self, spec: TensorSpec) -> tuple[int, int]:
+        """(start, stop) of this rank's slice along ``spec.tp_dim`` (the whole axis when unsplit)."""
+        cut = shard_slice(spec, self.plan, self.tp_rank)
+        if cut is None:
+            assert spec.tp_dim is not None
+            return 0, spec.shape[spec.tp_dim]
+        return cut
+
+
+def shard_param(spec: TensorSpec, shard: Shard, dtype: torch.dtype, expert: int | None = None) -> nn.Parameter:
+    """An uninitialised parameter holding this rank's slice of ``spec`` (filled by the loader)."""
+    p = nn.Parameter(torch.empty(shard.shape(spec), dtype=dtype), requires_grad=False)
+    p.spec = spec  # type: ignore[attr-defined]
+    p.expert = expert  # type: ignore[attr-defined]
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x Wᵀ (+ b)`` with W's output rows split over TP ranks (whole heads per rank).
+
+    The output stays split: rank r computes only its heads' / channels' outputs.
+    """
+
+    def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype, bias: TensorSpec | None = None):
+        super().__init__()
+        self.weight = shard_param(weight, shard, dtype)
+        self.bias = shard_param(bias, shard, dtype) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x Wᵀ (+ b)`` with W's input columns split over TP ranks; returns a partial sum.
+
+    The caller sums the partial outputs of all ranks with one ``allreduce``. The bias is
+    replicated but added on tensor rank 0 only, so the sum contains it exactly once.
+    """
+
+    def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype, bias: TensorSpec | None = None):
+        super().__init__()
+        self.weight = shard_param(weight, shard, dtype)
+        self.bias = shard_param(bias, shard, dtype) if bias is not None else None
+        self.add_bias = shard.tp_rank == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if self.add_bias else None)
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x Wᵀ (+ b)`` with the whole weight on every rank (MLA's q_a / kv_a, routers)."""
+
+    def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype, bias: TensorSpec | None = None):
+        super().__init__()
+        self.weight = shard_param(weight, shard, dtype)
+        self.bias = shard_param(bias, shard, dtype) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split over TP ranks.
+
+    Each rank looks up the ids that fall in its row range and writes zeros for the rest;
+    one all-reduce adds the ranks' rows (one non-zero term per element, so the sum is exact).
+    """
+
+    def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype):
+        super().__init__()
+        self.weight = shard_param(weight, shard, dtype)
+        self.start, self.stop = shard.span(weight) if weight.tp_dim is not None else (0, weight.shape[0])
+        self.split = shard.tp > 1 and weight.tp_dim is not None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.stop)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return allreduce(out.contiguous())
+
+
+class VocabParallelLMHead(nn.Module):
+    """LM head with vocabulary rows split over TP ranks (or sharing the tied embedding).
+
+    ``local_logits`` gives this rank's vocabulary slice; ``greedy`` all-gathers only one
+    (value, index) pair per rank; ``logits`` all-gathers the full vocabulary (sampling,
+    tests).
+    """
+
+    def __init__(self, weight: TensorSpec | None, shard: Shard, dtype: torch.dtype, tied: VocabParallelEmbedding | None = None):
+        super().__init__()
+        if weight is not None:
+            self.weight = shard_param(weight, shard, dtype)
+            self.start, _ = shard.span(weight)
+            self.split = shard.tp > 1
+        else:
+            assert tied is not None
+            self.weight = tied.weight  # tied embeddings: the same parameter, counted once
+            self.start, self.split = tied.start, tied.split
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[..., vocab]`` on every rank."""
+        local = self.local_logits(hidden).contiguous()
+        if not self.split:
+            return local
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Argmax token ids ``[...]`` over the whole vocabulary (the lowest id on ties)."""
+        local = self.local_logits(hidden)
+        value, index = local.max(dim=-1)
+        if not self.split:
+            return index
+        pair = torch.stack([value.float(), (index + self.start).float()], dim=-1).contiguous()
+        gathered = [torch.empty_like(pair) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, pair)
+        stacked = torch.stack(gathered, dim=0)  # [ranks, ..., 2]; ranks hold ascending ids
+        best = stacked[..., 0].argmax(dim=0, keepdim=True)  # first maximum = lowest id
+        return stacked[..., 1].gather(0, best).squeeze(0).long()
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32. ``cast_after_weight`` follows gpt-oss ((w·x) cast) instead of
+    Llama (w · x cast), which differs only in low precision."""
+
+    def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype, eps: float, cast_after_weight: bool = False):
+        super().__init__()
+        self.weight = shard_param(weight, shard, dtype)
+        self.eps = eps
+        self.cast_after_weight = cast_after_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.cast_after_weight:
+            return (self.weight * h).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+# ---------------------------------------------------------------------------- rotary embeddings
+
+_DEFAULT_THETA = {"gpt_oss": 150000.0}
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE settings from a config in either layout: transformers 5 ``rope_parameters`` or
+    the older ``rope_theta`` + ``rope_scaling`` (with ``type`` or ``rope_type``)."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta") or _DEFAULT_THETA.get(config.get("model_type"), 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return params
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(params: Mapping[str, Any], dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2], attention scaling of cos/sin), as transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute them for the default, llama3 and yarn types."""
+    base = float(params["rope_theta"])
+    kind = params["rope_type"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+    if kind == "default":
+        return 1.0 / (base**exponents), 1.0
+    if kind == "llama3":
+        inv_freq = 1.0 / (base**exponents)
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        factor = params.get("factor")
+        original = params["original_max_position_embeddings"]
+        if factor is None:
+            factor = max_position_embeddings / original
+        attention_factor = params.get("attention_factor")
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        if attention_factor is None:
+            if mscale and mscale_all:
+                attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all))
+            else:
+                attention_factor = _yarn_mscale(factor)
+        beta_fast = params.get("beta_fast") or 32
+        beta_slow = params.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+        if params.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        keep = 1 - ramp
+        return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+    raise ShardwiseError(f"rope type '{kind}' is not supported by the runtime: use default, llama3 or yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions 0..max_positions-1 (half width: one angle per pair).
+
+    Computed once in float32 like transformers (angle = position · inv_freq, then
+    cos/sin times the attention scaling), cast to the model dtype on use.
+    """
+
+    def __init__(self, params: Mapping[str, Any], dim: int, max_positions: int, max_position_embeddings: int):
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(params, dim, max_position_embeddings)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of ``x [..., T, d]`` (the Llama/"rotate_half" layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) (DeepSeek's layout); the result comes out
+    de-interleaved (evens then odds), exactly as transformers returns it."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

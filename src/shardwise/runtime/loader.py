@@ -1,0 +1,235 @@
+"""Load one rank's shard of a Hugging Face safetensors checkpoint.
+
+Each rank opens the checkpoint (one ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``) and reads only its slices with
+``safe_open(...).get_slice(name)[...]``, so its peak memory is its share plus one slice.
+Only safetensors is read (never pickle) and no code from the checkpoint runs.
+
+On-disk layouts handled for routed experts:
+- per-expert tensors ``...mlp.experts.{e}.gate_proj.weight`` (what transformers 5
+  ``save_pretrained`` writes for qwen3_moe and deepseek_v3, and the original checkpoints);
+- fused ``...mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows then up rows) and
+  ``...mlp.experts.down_proj [E, H, I]`` (transformers' in-memory layout);
+- gpt-oss's fused tensors, which transformers stores (in, out): ``gate_up_proj [E, H, 2I]``
+  with gate/up columns interleaved, ``down_proj [E, I, H]``; they are transposed on load to
+  the ModelSpec's (out, in) layout.
+
+``check_checkpoint`` validates every tensor's presence and shape from the headers alone
+before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardwise.errors import ShardwiseError
+from shardwise.plan import ParallelPlan, local_experts, shard_slice
+from shardwise.spec.model import ModelSpec, TensorSpec, load_model
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _dims(shape) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+class Checkpoint:
+    """The tensors of a safetensors checkpoint folder: names, shapes and sliced reads."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = self.folder / INDEX_FILE
+        single = self.folder / SINGLE_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ShardwiseError(f"'{index}' is not a safetensors index (no 'weight_map')") from None
+            self.files = {name: self.folder / file for name, file in weight_map.items()}
+        elif single.exists():
+            self.files = {}
+            with safe_open(single, framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        else:
+            raise ShardwiseError(
+                f"no {SINGLE_FILE} or {INDEX_FILE} in '{self.folder}': the runtime loads safetensors checkpoints only"
+            )
+        for path in set(self.files.values()):
+            if not path.exists():
+                raise ShardwiseError(f"checkpoint file '{path}' listed in {INDEX_FILE} does not exist")
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the open safetensors files."""
+        self._stack.close()
+        self._handles.clear()
+
+    def _handle(self, name: str):
+        path = self.files[name]
+        if path not in self._handles:
+            try:
+                self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+            except Exception as exc:  # safetensors raises its own error types for bad headers
+                raise ShardwiseError(f"cannot read safetensors file '{path}': {exc}") from None
+        return self._handles[path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` as stored."""
+        if name not in self._shapes:
+            self._shapes[name] = tuple(self._handle(name).get_slice(name).get_shape())
+        return self._shapes[name]
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The slice ``index`` (one slice per leading dimension) of tensor ``name``."""
+        return self._handle(name).get_slice(name)[index]
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one parameter's data lives on disk.
+
+    name/shape: the stored tensor and its full stored shape; ``expert``: leading index to
+    select (fused expert tensors); ``row_offset``: where this tensor's rows start along
+    the split dimension (up_proj inside a fused gate_up); ``transposed``: stored as
+    (…, in, out) and swapped on load (gpt-oss).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    expert: int | None = None
+    row_offset: int = 0
+    transposed: bool = False
+
+
+def _fused_name(template: str) -> tuple[str, str] | None:
+    """For a per-expert template, the fused tensor holding it and which part it is
+    ('gate', 'up' or 'down'); None for names outside the SwiGLU triple."""
+    prefix, _, rest = template.partition("{e}.")
+    part = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+    kind = part.get(rest.removesuffix(".weight"))
+    if kind is None:
+        return None
+    return prefix + ("down_proj" if kind == "down" else "gate_up_proj"), kind
+
+
+def sources(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint | None, expert: int | None = None) -> Source:
+    """The on-disk source of ``tensor`` (expert ``expert`` of a per-expert template).
+
+    Per-expert names are preferred; when the checkpoint has none for this template but
+    has the fused tensor, the fused one is used. Without a checkpoint the layout
+    transformers writes is returned (used to make checkpoints).
+    """
+    if "{e}" not in tensor.name:
+        if spec.family == "gpt_oss" and tensor.expert_dim is not None and tensor.name.endswith(("gate_up_proj", "down_proj")):
+            e, out, inp = tensor.shape
+            return Source(tensor.name, (e, inp, out), transposed=True)
+        return Source(tensor.name, tensor.shape)
+    e = 0 if expert is None else expert
+    name = tensor.name.format(e=e)
+    fused = _fused_name(tensor.name)
+    if ckpt is None or name in ckpt or fused is None or fused[0] not in ckpt:
+        return Source(name, tensor.shape)
+    fused_name, part = fused
+    rows, cols = tensor.shape
+    shape = (tensor.experts, rows, cols) if part == "down" else (tensor.experts, 2 * rows, cols)
+    return Source(fused_name, shape, expert=e, row_offset=rows if part == "up" else 0)
+
+
+def _expected(spec: ModelSpec, ckpt: Checkpoint) -> Iterator[Source]:
+    for tensor in spec.tensors():
+        if "{e}" in tensor.name:
+            seen = set()
+            for e in range(tensor.experts):
+                src = sources(spec, tensor, ckpt, e)
+                if src.name not in seen:
+                    seen.add(src.name)
+                    yield src
+        else:
+            yield sources(spec, tensor, ckpt)
+
+
+def check_checkpoint(spec: ModelSpec, ckpt: Checkpoint) -> None:
+    """Raise ShardwiseError naming the first tensor that is missing or mis-shaped (headers only)."""
+    for src in _expected(spec, ckpt):
+        if src.name not in ckpt:
+            raise ShardwiseError(f"checkpoint tensor '{src.name}' is missing (expected shape {_dims(src.shape)})")
+        got = ckpt.shape(src.name)
+        if got != src.shape:
+            raise ShardwiseError(f"checkpoint tensor '{src.name}' has shape {_dims(got)}, expected {_dims(src.shape)}")
+
+
+# ---------------------------------------------------------------------------- reading a shard
+
+
+def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: TensorSpec, ckpt: Checkpoint, expert: int | None = None) -> torch.Tensor:
+    """This rank's slice of ``tensor`` (one expert's for templates), in the (out, in) layout."""
+    src = sources(spec, tensor, ckpt, expert)
+    cut = shard_slice(tensor, plan, tp_rank)
+    if src.transposed:  # gpt-oss fused experts stored [E, in, out]
+        experts = local_experts(tensor.num_experts, plan, tp_rank)
+        index = [slice(experts.start, experts.stop), slice(None), slice(None)]
+        if cut is not None:  # tp_dim is in the (out, in) layout: 1 → stored 2, 2 → stored 1
+            index[3 - tensor.tp_dim] = slice(*cut)
+        return ckpt.read(src.name, tuple(index)).transpose(1, 2).contiguous()
+    index = [slice(None)] * len(tensor.shape)
+    if tensor.expert_dim is not None:
+        experts = local_experts(tensor.num_experts, plan, tp_rank)
+        index[tensor.expert_dim] = slice(experts.start, experts.stop)
+    if cut is not None:
+        start, stop = cut
+        index[tensor.tp_dim] = slice(start + src.row_offset, stop + src.row_offset)
+    elif src.expert is not None:  # gate or up half of a fused gate_up, whole rows
+        index[0] = slice(src.row_offset, src.row_offset + tensor.shape[0])
+    if src.expert is not None:  # one expert out of a fused [E, ...] tensor
+        index = [slice(src.expert, src.expert + 1), *index]
+        return ckpt.read(src.name, tuple(index))[0]
+    return ckpt.read(src.name, tuple(index))
+
+
+def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -> None:
+    """Fill every parameter of a ``ShardedCausalLM`` with its slice from checkpoint ``folder``."""
+    spec, plan, tp_rank = model.spec, model.plan, model.shard.tp_rank
+    with Checkpoint(folder) as ckpt:
+        if check:
+            check_checkpoint(spec, ckpt)
+        with torch.no_grad():
+            for _, param in model.named_parameters():
+                data = read_shard(spec, plan, tp_rank, param.spec, ckpt, param.expert)
+                if tuple(data.shape) != tuple(param.shape):
+                    raise ShardwiseError(
+                        f"checkpoint tensor '{param.spec.name}' gives a slice of shape {_dims(data.shape)} "
+                        f"for rank {model.shard.rank}, expected {_dims(param.shape)}"
+                    )
+                param.copy_(data)
+
+
+def load_spec(folder: str | Path) -> ModelSpec:
+    """The ModelSpec of a checkpoint folder (its config.json), with a one-line error if absent."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ShardwiseError(f"checkpoint folder '{path}' does not exist")
+    if not (path / "config.json").exists():
+        raise ShardwiseError(f"'{path}' has no config.json: pass a Hugging Face checkpoint folder")
+    return load_model(path)

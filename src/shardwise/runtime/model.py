@@ -1,0 +1,219 @@
+"""A decoder-only transformer built from a ModelSpec, holding one rank's shard.
+
+Module and parameter names follow the Hugging Face checkpoints (``model.layers.3.self_attn
+.q_proj.weight``, ``model.layers.3.mlp.experts.17.down_proj.weight``), so the model file reads
+like transformers' and the loader fills parameters by name. Families: ``llama``,
+``qwen3_moe``, ``deepseek_v3`` (and Kimi K2, the same architecture) and ``gpt_oss``.
+
+Per layer and token: one all-reduce after attention and one after the MLP / MoE block
+(routed + shared experts + expert biases in the same one), both through
+``layers.allreduce``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+from shardwise.plan import ParallelPlan, validate_plan
+from shardwise.runtime.attention import GQAttention, MLAttention
+from shardwise.runtime.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    Shard,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    allreduce,
+    rope_parameters,
+)
+from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE
+from shardwise.spec.model import EMBEDDING, LM_HEAD, NORM, ROUTER, LayerSpec, ModelSpec, TensorSpec
+
+RUNTIME_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """torch dtype for 'float32' / 'bfloat16' / 'float16' (or their short names)."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ShardwiseError(f"unknown dtype '{name}': use float32, bfloat16 or float16") from None
+
+
+def param_dtype(spec: ModelSpec, tensor: TensorSpec, dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of one parameter: the run dtype, except where transformers keeps float32
+    (DeepSeek-V3's router and correction bias; gpt-oss's RMSNorm weights)."""
+    if spec.family == "deepseek_v3" and tensor.group == ROUTER:
+        return torch.float32
+    if spec.family == "gpt_oss" and tensor.group == NORM:
+        return torch.float32
+    return dtype
+
+
+def check_runnable(spec: ModelSpec, plan: ParallelPlan) -> None:
+    """Raise a one-line ShardwiseError when the runtime cannot run ``spec`` under ``plan``."""
+    validate_plan(spec, plan)
+    if spec.family not in RUNTIME_FAMILIES:
+        raise ShardwiseError(
+            f"model_type '{spec.model_type}' can be planned but not run: the runtime runs "
+            "llama, qwen3_moe, deepseek_v3 / kimi_k2 and gpt_oss"
+        )
+    if plan.pp != 1:
+        raise ShardwiseError(f"--pp {plan.pp}: the runtime does not run pipeline stages yet, use --pp 1")
+    if spec.quant_method is not None:
+        raise ShardwiseError(
+            f"checkpoint is quantized ({spec.quant_method}): the runtime loads unquantized "
+            "float32/bfloat16 checkpoints; dequantize it or drop quantization_config"
+        )
+    cfg = spec.config
+    if plan.tp > 1 and spec.vocab_size % plan.tp:
+        raise ShardwiseError(
+            f"vocab_size {spec.vocab_size} is not divisible by --tp {plan.tp}: the vocab-parallel "
+            "embedding needs equal slices"
+        )
+    if spec.family != "gpt_oss" and cfg.get("hidden_act", "silu") != "silu":
+        raise ShardwiseError(f"config.json hidden_act '{cfg.get('hidden_act')}' is not supported: the runtime runs silu")
+    if spec.family == "deepseek_v3" and cfg.get("attention_bias", False):
+        raise ShardwiseError("config.json attention_bias true is not supported for deepseek_v3: use false")
+    if spec.family == "qwen3_moe" and cfg.get("use_sliding_window", False):
+        raise ShardwiseError("config.json use_sliding_window true is not supported for qwen3_moe: use false")
+
+
+def _local(tensors: tuple[TensorSpec, ...], prefix: str) -> dict[str, TensorSpec]:
+    """TensorSpecs under ``prefix`` keyed by the rest of their name."""
+    return {t.name[len(prefix):]: t for t in tensors if t.name.startswith(prefix)}
+
+
+class _Dtyped:
+    """Picks each parameter's storage dtype while the modules are built."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        self.spec, self.dtype = spec, dtype
+
+    def of(self, tensor: TensorSpec) -> torch.dtype:
+        return param_dtype(self.spec, tensor, self.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + Σ attn(norm(x))``; ``out = h + Σ mlp(norm(h))``."""
+
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, shard: Shard, dtype: torch.dtype, max_seq_len: int, max_batch: int):
+        super().__init__()
+        t = _local(layer.tensors, f"model.layers.{layer.index}.")
+        dt = _Dtyped(spec, dtype)
+        eps, gpt_oss = spec.rms_norm_eps, spec.family == "gpt_oss"
+        self.input_layernorm = RMSNorm(t["input_layernorm.weight"], shard, dt.of(t["input_layernorm.weight"]), eps, gpt_oss)
+        self.post_attention_layernorm = RMSNorm(
+            t["post_attention_layernorm.weight"], shard, dt.of(t["post_attention_layernorm.weight"]), eps, gpt_oss
+        )
+        attn = _local(layer.tensors, f"model.layers.{layer.index}.self_attn.")
+        cfg = spec.config
+        if layer.attention == "mla":
+            mla = spec.mla
+            assert mla is not None
+            scaling = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+            rope = rope_parameters(cfg)
+            if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+                factor = rope["factor"]
+                m = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+                scaling = scaling * m * m
+            self.self_attn = MLAttention(
+                attn, shard, dtype, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+                qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim, scaling=scaling,
+                interleaved_rope=bool(cfg.get("rope_interleave", True)), eps=1e-6,
+                max_seq_len=max_seq_len, max_batch=max_batch,
+            )
+        else:
+            self.self_attn = GQAttention(
+                attn, shard, dtype, head_dim=spec.head_dim, eps=eps, max_seq_len=max_seq_len,
+                max_batch=max_batch, window=layer.window if layer.attention == "sliding" else None,
+            )
+        mlp = _local(layer.tensors, f"model.layers.{layer.index}.mlp.")
+        if layer.mlp == "dense":
+            self.mlp = DenseMLP(mlp, shard, dtype)
+        elif gpt_oss:
+            assert spec.moe is not None
+            alpha, limit = float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))
+            self.mlp = GptOssMoE(mlp, spec.moe, shard, dtype, alpha, limit)
+        else:
+            assert spec.moe is not None
+            router_dtype = dt.of(mlp["gate.weight"])
+            self.mlp = SparseMoE(mlp, spec.moe, shard, dtype, router_dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = x + allreduce(self.self_attn(self.input_layernorm(x), positions, rope).contiguous())
+        return h + allreduce(self.mlp(self.post_attention_layernorm(h)).contiguous())
+
+
+class ShardedCausalLM(nn.Module):
+    """One rank's shard of a causal LM.
+
+    ``forward(ids, start)`` runs tokens ``ids [B, T]`` at positions ``start..start+T-1``
+    through the model, writing the static KV cache (sized ``max_seq_len``), and returns the
+    final hidden states; ``lm_head.greedy`` / ``lm_head.logits`` turn them into tokens or
+    full-vocabulary logits. Parameters are allocated empty: fill them with
+    ``loader.load_shard``.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        plan: ParallelPlan,
+        rank: int = 0,
+        dtype: torch.dtype | str = torch.float32,
+        max_seq_len: int = 256,
+        max_batch: int = 1,
+    ):
+        super().__init__()
+        check_runnable(spec, plan)
+        dtype = torch_dtype(dtype)
+        self.spec, self.plan, self.dtype, self.max_seq_len = spec, plan, dtype, max_seq_len
+        shard = self.shard = Shard(plan, rank)
+        dt = _Dtyped(spec, dtype)
+        glob = {t.group: t for t in spec.globals if t.group in (EMBEDDING, LM_HEAD)}
+        norm = next(t for t in spec.globals if t.group == NORM)
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(glob[EMBEDDING], shard, dtype)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(spec, layer, shard, dtype, max_seq_len, max_batch) for layer in spec.layers
+        )
+        self.model.norm = RMSNorm(norm, shard, dt.of(norm), spec.rms_norm_eps, spec.family == "gpt_oss")
+        self.lm_head = VocabParallelLMHead(glob.get(LM_HEAD), shard, dtype, tied=self.model.embed_tokens)
+        rope_dim = spec.mla.qk_rope_head_dim if spec.mla is not None else spec.head_dim
+        self.rotary = RotaryEmbedding(rope_parameters(spec.config), rope_dim, max_seq_len, spec.max_position_embeddings)
+
+    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        n = ids.shape[1]
+        if start + n > self.max_seq_len:
+            raise ShardwiseError(
+                f"sequence of {start + n} tokens exceeds the KV cache of {self.max_seq_len}: raise max_seq_len"
+            )
+        positions = torch.arange(start, start + n)
+        rope = self.rotary(positions, self.dtype)
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, rope)
+        return self.model.norm(h)
+
+    def logits(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Full-vocabulary logits [B, T, vocab] for ``ids`` at ``start`` (every rank gets them)."""
+        return self.lm_head.logits(self(ids, start))
+
+    def param_bytes(self) -> int:
+        """Bytes of parameters this rank holds (tied weights counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's static KV / latent cache."""
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if "cache" in name)

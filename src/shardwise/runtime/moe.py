@@ -1,0 +1,182 @@
+"""MLP blocks: the dense SwiGLU MLP and the mixture-of-experts blocks of each family.
+
+Every block returns this rank's **partial** output; the decoder layer sums the partial
+outputs of all ranks with one all-reduce. Under expert parallelism a rank holds the
+experts ``plan.local_experts`` gives it and runs only those the router picked for each
+token; the routed sum, the shared experts' row-parallel partial sum and the expert
+biases (added by one rank of each expert's group) all travel in that one all-reduce.
+
+Routing, as in transformers:
+- ``softmax_topk`` (Qwen3-MoE): softmax over all experts, top-k, optional renormalisation.
+- ``sigmoid_grouped`` (DeepSeek-V3 / Kimi K2): sigmoid scores; the correction bias is added
+  for *selection only*; top-k inside the ``topk_group`` best of ``n_group`` groups (a
+  group scores the sum of its two best); weights are the un-biased scores, optionally
+  renormalised, times ``routed_scaling_factor``. Computed in float32.
+- ``topk_softmax`` (gpt-oss): top-k on the router logits (with bias), softmax over the k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.plan import local_experts
+from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, shard_param
+from shardwise.spec.model import MoESpec, TensorSpec
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU ``down(silu(gate(x)) · up(x))``: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(tensors["gate_proj.weight"], shard, dtype)
+        self.up_proj = ColumnParallelLinear(tensors["up_proj.weight"], shard, dtype)
+        self.down_proj = RowParallelLinear(tensors["down_proj.weight"], shard, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Expert(nn.Module):
+    """One routed SwiGLU expert (this rank's slice of it when experts are tensor-split)."""
+
+    def __init__(self, tensors: dict[str, TensorSpec], e: int, shard: Shard, dtype: torch.dtype):
+        super().__init__()
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            layer = nn.Module()
+            layer.weight = shard_param(tensors[f"{name}.weight"], shard, dtype, expert=e)
+            setattr(self, name, layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)
+        return F.linear(h, self.down_proj.weight)
+
+
+class Router(nn.Module):
+    """Picks ``top_k`` experts per token and their weights: (indices [N, k], weights [N, k])."""
+
+    def __init__(self, tensors: dict[str, TensorSpec], prefix: str, moe: MoESpec, shard: Shard, dtype: torch.dtype):
+        super().__init__()
+        self.moe = moe
+        self.weight = shard_param(tensors[f"{prefix}.weight"], shard, dtype)
+        bias = tensors.get(f"{prefix}.bias")
+        self.bias = shard_param(bias, shard, dtype) if bias is not None else None
+        correction = tensors.get(f"{prefix}.e_score_correction_bias")
+        self.e_score_correction_bias = shard_param(correction, shard, dtype) if correction is not None else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        if moe.routing == "softmax_topk":
+            logits = F.linear(x, self.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            weights, index = torch.topk(probs, moe.top_k, dim=-1)
+            if moe.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return index, weights.to(logits.dtype)
+        if moe.routing == "topk_softmax":
+            logits = F.linear(x, self.weight, self.bias)
+            top, index = torch.topk(logits, moe.top_k, dim=-1)
+            return index, torch.softmax(top, dim=1, dtype=top.dtype)
+        # sigmoid_grouped (DeepSeek-V3): float32 throughout, bias for selection only
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        n, per_group = moe.n_group, moe.num_experts // moe.n_group
+        group_scores = choice.view(-1, n, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
+        keep = group_mask.unsqueeze(-1).expand(-1, n, per_group).reshape(-1, moe.num_experts).bool()
+        index = torch.topk(choice.masked_fill(~keep, float("-inf")), k=moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return index, weights * moe.routed_scaling_factor
+
+
+def _dispatch(index: torch.Tensor, experts: range):
+    """For each local expert any token picked: (expert, token rows, top-k slots)."""
+    for e in experts:
+        token, slot = torch.where(index == e)
+        if token.numel():
+            yield e, token, slot
+
+
+class SparseMoE(nn.Module):
+    """Routed experts stored one module per expert (Qwen3-MoE, DeepSeek-V3), optional shared experts.
+
+    ``experts`` is keyed by the global expert id, so parameter names equal the
+    checkpoint's ``mlp.experts.{e}.gate_proj.weight``; this rank holds only its own.
+    """
+
+    def __init__(
+        self, tensors: dict[str, TensorSpec], moe: MoESpec, shard: Shard, dtype: torch.dtype, router_dtype: torch.dtype
+    ):
+        super().__init__()
+        self.gate = Router(tensors, "gate", moe, shard, router_dtype)
+        templates = {k.removeprefix("experts.{e}."): v for k, v in tensors.items() if k.startswith("experts.{e}.")}
+        self.local = local_experts(moe.num_experts, shard.plan, shard.tp_rank)
+        self.experts = nn.ModuleDict({str(e): Expert(templates, e, shard, dtype) for e in self.local})
+        shared = {k.removeprefix("shared_experts."): v for k, v in tensors.items() if k.startswith("shared_experts.")}
+        self.shared_experts = DenseMLP(shared, shard, dtype) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        index, weights = self.gate(flat)
+        out = torch.zeros_like(flat)
+        for e, token, slot in _dispatch(index, self.local):
+            y = self.experts[str(e)](flat[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        out = out.view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class FusedExperts(nn.Module):
+    """gpt-oss experts as fused tensors of this rank's experts, stored [E_local, out, in].
+
+    gate/up rows are interleaved (gate_j, up_j); the activation is the clamped SwiGLU
+    ``(clamp(up, ±limit) + 1) · g · sigmoid(α g)`` with ``g = min(gate, limit)``. The down
+    bias is added by the first rank of each expert's tensor-parallel group only.
+    """
+
+    def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype, alpha: float, limit: float, first: int):
+        super().__init__()
+        self.gate_up_proj = shard_param(tensors["gate_up_proj"], shard, dtype)
+        self.gate_up_proj_bias = shard_param(tensors["gate_up_proj_bias"], shard, dtype)
+        self.down_proj = shard_param(tensors["down_proj"], shard, dtype)
+        self.down_proj_bias = shard_param(tensors["down_proj_bias"], shard, dtype)
+        self.alpha, self.limit, self.first = alpha, limit, first
+        self.add_down_bias = shard.etp_rank == 0
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        local = range(self.first, self.first + self.gate_up_proj.shape[0])
+        for e, token, slot in _dispatch(index, local):
+            i = e - self.first
+            gate_up = F.linear(x[token], self.gate_up_proj[i], self.gate_up_proj_bias[i])
+            gate = gate_up[..., ::2].clamp(max=self.limit)
+            up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            y = F.linear(h, self.down_proj[i], self.down_proj_bias[i] if self.add_down_bias else None)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class GptOssMoE(nn.Module):
+    """gpt-oss MLP: router (with bias) over fused experts."""
+
+    def __init__(self, tensors: dict[str, TensorSpec], moe: MoESpec, shard: Shard, dtype: torch.dtype, alpha: float, limit: float):
+        super().__init__()
+        self.router = Router(tensors, "router", moe, shard, dtype)
+        fused = {k.removeprefix("experts."): v for k, v in tensors.items() if k.startswith("experts.")}
+        first = local_experts(moe.num_experts, shard.plan, shard.tp_rank).start
+        self.experts = FusedExperts(fused, shard, dtype, alpha, limit, first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        index, weights = self.router(flat)
+        return self.experts(flat, index, weights).view(shape)

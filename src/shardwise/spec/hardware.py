@@ -1,0 +1,432 @@
+"""Boxes, links and clusters: the bundled catalog and user cluster files.
+
+Units: ``*_gb`` gigabytes (1e9 bytes), ``*_gbps`` gigabytes per second (GB/s, one
+direction), ``nic_gbit_s`` gigabits per second (the NIC's port speed as sold),
+``tflops_*`` 1e12 dense operations per second, ``*_s`` seconds, ``*_watts`` watts,
+``*_usd`` US dollars.
+
+The catalog (``catalog/hardware.toml``, ``catalog/links.toml``) gives every figure a
+``source_<field>`` string next to it, and lists in ``estimates`` the fields that are
+estimates rather than published or measured numbers; both land in ``sources`` and
+``estimates`` on the models.
+
+A cluster file is TOML (see ``shardwise.topology`` for ``[[hosts]]``, ``[[switches]]``
+and ``[[links]]``)::
+
+    [cluster]
+    box = "dgx-spark"           # hardware catalog key
+    link = "200g-roce"          # link catalog key or alias
+    boxes = 16                  # optional when [[hosts]] are listed (then = their count)
+
+    [cluster.measured]          # optional, written by `shardwise probe`
+    memory_bandwidth_gbps = 221.0
+    link_bandwidth_gbps = 19.6
+    link_latency_s = 1.15e-5
+    source = "shardwise probe 2026-03-01, spark-01..spark-16"
+
+Measured figures replace the catalog's in ``ClusterSpec.box`` / ``ClusterSpec.link``
+(their source then reads ``measured: ...``). Files are written with ``tomli_w``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shardwise.errors import ShardwiseError, unknown_name
+from shardwise.topology import Topology, topology_from_toml, topology_to_toml
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class _Sourced(BaseModel):
+    """A catalog entry whose figures each carry a source and maybe an estimate flag."""
+
+    model_config = _FROZEN
+
+    key: str
+    name: str
+    sources: dict[str, str]
+    estimates: frozenset[str] = frozenset()
+
+    FIGURES: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="after")
+    def _every_figure_sourced(self):
+        present = {f for f in self.FIGURES if getattr(self, f) is not None}
+        missing = sorted(present - set(self.sources))
+        if missing:
+            raise ValueError(f"{missing[0]} has no source_{missing[0]}")
+        orphan = sorted(set(self.sources) - present)
+        if orphan:
+            raise ValueError(f"source_{orphan[0]} names a field that is not set")
+        bad = sorted(self.estimates - present)
+        if bad:
+            raise ValueError(f"estimates lists '{bad[0]}', which is not a set figure")
+        return self
+
+    def is_estimate(self, figure: str) -> bool:
+        """True when ``figure`` is an estimate rather than a published/measured number."""
+        return figure in self.estimates
+
+
+class Box(_Sourced):
+    """One machine that runs ranks.
+
+    ``memory_gb`` (GB) and ``memory_bandwidth_gbps`` (GB/s) are what one rank can use
+    and read; ``tflops_*`` are dense peak TFLOPS (None: no such unit or not known);
+    ``nic_gbit_s`` is the fastest port's speed in Gb/s; watts are for the whole box at
+    the wall where known (a GPU card's entry: the card, see its sources);
+    ``builder_price_usd`` is what the seed cluster's builder paid, where known.
+    """
+
+    memory_gb: float = Field(gt=0)
+    memory_bandwidth_gbps: float = Field(gt=0)
+    tflops_bf16: float = Field(gt=0)
+    tflops_fp8: float | None = Field(default=None, gt=0)
+    tflops_fp4: float | None = Field(default=None, gt=0)
+    nic: str
+    nic_gbit_s: float = Field(gt=0)
+    idle_watts: float = Field(gt=0)
+    load_watts: float = Field(gt=0)
+    rated_watts: float = Field(gt=0)
+    list_price_usd: float = Field(gt=0)
+    builder_price_usd: float | None = Field(default=None, gt=0)
+
+    FIGURES: ClassVar[tuple[str, ...]] = (
+        "memory_gb",
+        "memory_bandwidth_gbps",
+        "tflops_bf16",
+        "tflops_fp8",
+        "tflops_fp4",
+        "nic",
+        "nic_gbit_s",
+        "idle_watts",
+        "load_watts",
+        "rated_watts",
+        "list_price_usd",
+        "builder_price_usd",
+    )
+
+    @property
+    def memory_bytes(self) -> float:
+        """Memory in bytes (``memory_gb`` × 1e9)."""
+        return self.memory_gb * 1e9
+
+    @property
+    def memory_bandwidth_bytes_per_s(self) -> float:
+        """Memory bandwidth in bytes per second."""
+        return self.memory_bandwidth_gbps * 1e9
+
+
+class Link(_Sourced):
+    """A kind of interconnect between boxes.
+
+    ``bandwidth_gbps`` is effective GB/s per direction, ``latency_s`` the per-message
+    (per collective step) cost in seconds with the software stack included. The switch
+    fields describe one switch of the kind the link needs (absent for direct cables):
+    its wall watts, price, and ports at this link's speed (breakouts counted).
+    """
+
+    kind: Literal["tcp", "rdma", "pcie", "nvlink"]
+    aliases: tuple[str, ...] = ()
+    bandwidth_gbps: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+    switch: str | None = None
+    switch_ports: int | None = Field(default=None, gt=0)
+    switch_watts: float | None = Field(default=None, gt=0)
+    switch_price_usd: float | None = Field(default=None, gt=0)
+
+    FIGURES: ClassVar[tuple[str, ...]] = (
+        "bandwidth_gbps",
+        "latency_s",
+        "switch",
+        "switch_ports",
+        "switch_watts",
+        "switch_price_usd",
+    )
+
+    @property
+    def beta_bytes_per_s(self) -> float:
+        """Bandwidth in bytes per second (the β of the α-β model)."""
+        return self.bandwidth_gbps * 1e9
+
+
+class Measured(BaseModel):
+    """Figures measured on a cluster (by ``shardwise probe``) that replace catalog ones.
+
+    ``memory_bandwidth_gbps`` GB/s, ``link_bandwidth_gbps`` GB/s per direction,
+    ``link_latency_s`` seconds per message; ``source`` says when and how.
+    """
+
+    model_config = _FROZEN
+
+    source: str = Field(min_length=1)
+    memory_bandwidth_gbps: float | None = Field(default=None, gt=0)
+    link_bandwidth_gbps: float | None = Field(default=None, gt=0)
+    link_latency_s: float | None = Field(default=None, ge=0)
+
+
+class Catalog(BaseModel):
+    """Every bundled box and link, by key; ``link_aliases`` maps alias → key."""
+
+    model_config = _FROZEN
+
+    boxes: dict[str, Box]
+    links: dict[str, Link]
+    link_aliases: dict[str, str]
+
+
+class ClusterSpec(BaseModel):
+    """``boxes`` identical ``box`` machines joined by ``link``, optionally wired as ``topology``.
+
+    ``box`` and ``link`` already carry ``measured`` figures where there are any.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    box: Box
+    boxes: int = Field(ge=1)
+    link: Link
+    topology: Topology | None = None
+    measured: Measured | None = None
+
+    @model_validator(mode="after")
+    def _hosts_match(self):
+        if self.topology is not None and len(self.topology.hosts) != self.boxes:
+            raise ValueError(f"boxes = {self.boxes} but the topology lists {len(self.topology.hosts)} hosts")
+        return self
+
+    @property
+    def memory_gb(self) -> float:
+        """Memory of all boxes together, GB."""
+        return self.box.memory_gb * self.boxes
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def _entry(model: type[_Sourced], key: str, table: Any, origin: str) -> Any:
+    if not isinstance(table, dict):
+        raise ShardwiseError(f"{origin}: [{key}] must be a table")
+    fields: dict[str, Any] = {"key": key, "sources": {}}
+    for name, value in table.items():
+        if name.startswith("source_"):
+            fields["sources"][name.removeprefix("source_")] = value
+        else:
+            fields[name] = value
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        raise ShardwiseError(f"{origin}: [{key}] {_first_error(exc)}") from None
+
+
+def _read_catalog_file(name: str) -> dict[str, Any]:
+    text = resources.files("shardwise.spec").joinpath("catalog", name).read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
+@lru_cache(maxsize=1)
+def load_catalog() -> Catalog:
+    """The bundled catalog (read once, then cached)."""
+    boxes = {key: _entry(Box, key, table, "hardware.toml") for key, table in _read_catalog_file("hardware.toml").items()}
+    links = {key: _entry(Link, key, table, "links.toml") for key, table in _read_catalog_file("links.toml").items()}
+    aliases: dict[str, str] = {}
+    for key, link in links.items():
+        for alias in link.aliases:
+            if alias in links or alias in aliases:
+                raise ShardwiseError(f"links.toml: [{key}] alias '{alias}' is already a link name or alias")
+            aliases[alias] = key
+    return Catalog(boxes=boxes, links=links, link_aliases=aliases)
+
+
+def get_box(name: str) -> Box:
+    """Catalog box by key; unknown keys raise ShardwiseError suggesting close ones."""
+    catalog = load_catalog()
+    if name not in catalog.boxes:
+        raise unknown_name("box", name, catalog.boxes)
+    return catalog.boxes[name]
+
+
+def get_link(name: str) -> Link:
+    """Catalog link by key or alias; unknown names raise ShardwiseError suggesting close ones."""
+    catalog = load_catalog()
+    key = catalog.link_aliases.get(name, name)
+    if key not in catalog.links:
+        raise unknown_name("link", name, [*catalog.links, *catalog.link_aliases])
+    return catalog.links[key]
+
+
+def _measured_box(box: Box, measured: Measured | None) -> Box:
+    if measured is None:
+        return box
+    return _updated(box, {"memory_bandwidth_gbps": measured.memory_bandwidth_gbps}, measured)
+
+
+def _measured_link(link: Link, measured: Measured | None) -> Link:
+    if measured is None:
+        return link
+    updates = {"bandwidth_gbps": measured.link_bandwidth_gbps, "latency_s": measured.link_latency_s}
+    return _updated(link, updates, measured)
+
+
+def apply_measured(box: Box, link: Link, measured: Measured | None) -> tuple[Box, Link]:
+    """``box`` and ``link`` with ``measured`` figures in place of the catalog's."""
+    return _measured_box(box, measured), _measured_link(link, measured)
+
+
+def _updated(entry: _Sourced, updates: dict[str, float | None], measured: Measured):
+    changes = {field: value for field, value in updates.items() if value is not None}
+    if not changes:
+        return entry
+    sources = dict(entry.sources)
+    sources.update({field: f"measured: {measured.source}" for field in changes})
+    return entry.model_copy(update={**changes, "sources": sources, "estimates": entry.estimates - set(changes)})
+
+
+def _read_toml(path: str | Path) -> tuple[dict[str, Any], str]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ShardwiseError(f"{path}: cannot read cluster file ({exc.strerror}); check the path") from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        raise ShardwiseError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _cluster_table(doc: dict[str, Any], where: str, required: bool) -> dict[str, Any]:
+    table = doc.get("cluster")
+    if table is None:
+        if required:
+            raise ShardwiseError(f'{where}: missing [cluster] table; add [cluster] with box = "..." and link = "..."')
+        return {}
+    if not isinstance(table, dict):
+        raise ShardwiseError(f"{where}: cluster must be a table written [cluster]")
+    extra = sorted(set(table) - {"box", "link", "boxes", "measured"})
+    if extra:
+        raise ShardwiseError(f"{where}: [cluster] unknown key '{extra[0]}'; keys are box, link, boxes, measured")
+    unknown = sorted(set(doc) - {"cluster", "hosts", "switches", "links"})
+    if unknown:
+        raise ShardwiseError(f"{where}: unknown top-level key '{unknown[0]}'; use [cluster], [[hosts]], [[switches]], [[links]]")
+    return table
+
+
+def _catalog_name(table: dict[str, Any], key: str, where: str) -> str:
+    value = table.get(key)
+    if not isinstance(value, str):
+        raise ShardwiseError(f'{where}: [cluster] {key} must be a catalog name like {key} = "..."; got {value!r}')
+    return value
+
+
+def _link_for(table: dict[str, Any], where: str) -> Link | None:
+    if "link" not in table:
+        return None
+    try:
+        return get_link(_catalog_name(table, "link", where))
+    except ShardwiseError as exc:
+        raise ShardwiseError(f"{where}: [cluster] link: {exc}") from None
+
+
+def load_topology_file(path: str | Path) -> Topology:
+    """Topology from a cluster file (``[cluster]`` optional; its ``link`` gives cable defaults)."""
+    where = str(path)
+    doc, text = _read_toml(path)
+    table = _cluster_table(doc, where, required=False)
+    link = _link_for(table, where)
+    if link is not None:
+        link = _measured_link(link, _measured(table, where))
+    topology = topology_from_toml(
+        doc,
+        text,
+        where,
+        default_bandwidth_gbps=link.bandwidth_gbps if link else None,
+        default_latency_s=link.latency_s if link else None,
+    )
+    if topology is None:
+        raise ShardwiseError(f'{where}: no [[hosts]]; list each box as [[hosts]] name = "..."')
+    return topology
+
+
+def _measured(table: dict[str, Any], where: str) -> Measured | None:
+    raw = table.get("measured")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ShardwiseError(f"{where}: [cluster.measured] must be a table")
+    try:
+        return Measured(**raw)
+    except ValidationError as exc:
+        raise ShardwiseError(f"{where}: [cluster.measured] {_first_error(exc)}") from None
+
+
+def load_cluster_file(path: str | Path) -> ClusterSpec:
+    """ClusterSpec from a user cluster TOML file (format in the module docstring)."""
+    where = str(path)
+    doc, text = _read_toml(path)
+    table = _cluster_table(doc, where, required=True)
+    try:
+        box = get_box(_catalog_name(table, "box", where))
+    except ShardwiseError as exc:
+        raise ShardwiseError(f"{where}: [cluster] box: {exc}") from None
+    link = _link_for(table, where)
+    if link is None:
+        raise ShardwiseError(f'{where}: [cluster] needs link = "..." (a links catalog name, e.g. "200g-roce")')
+    measured = _measured(table, where)
+    box, link = apply_measured(box, link, measured)
+    topology = topology_from_toml(doc, text, where, link.bandwidth_gbps, link.latency_s)
+    boxes = table.get("boxes")
+    if boxes is None:
+        if topology is None:
+            raise ShardwiseError(f"{where}: [cluster] needs boxes = N, or list the boxes as [[hosts]]")
+        boxes = len(topology.hosts)
+    if isinstance(boxes, bool) or not isinstance(boxes, int) or boxes < 1:
+        raise ShardwiseError(f"{where}: [cluster] boxes must be a whole number >= 1, got {boxes!r}")
+    if topology is not None and boxes != len(topology.hosts):
+        raise ShardwiseError(
+            f"{where}: [cluster] boxes = {boxes} but {len(topology.hosts)} [[hosts]] are listed; make them agree"
+        )
+    return ClusterSpec(box=box, boxes=boxes, link=link, topology=topology, measured=measured)
+
+
+def cluster_to_toml(cluster: ClusterSpec) -> dict[str, Any]:
+    """The TOML document ``write_cluster_file`` writes (catalog keys, measured figures, topology)."""
+    catalog = load_catalog()
+    box, link = cluster.box, cluster.link
+    if box.key not in catalog.boxes or _measured_box(catalog.boxes[box.key], cluster.measured) != box:
+        raise ShardwiseError(
+            f"cluster box '{box.key}' is not the catalog box plus [cluster.measured]; "
+            "record measured figures in ClusterSpec.measured (see apply_measured)"
+        )
+    if link.key not in catalog.links or _measured_link(catalog.links[link.key], cluster.measured) != link:
+        raise ShardwiseError(
+            f"cluster link '{link.key}' is not the catalog link plus [cluster.measured]; "
+            "record measured figures in ClusterSpec.measured (see apply_measured)"
+        )
+    table: dict[str, Any] = {"box": cluster.box.key, "link": cluster.link.key, "boxes": cluster.boxes}
+    if cluster.measured is not None:
+        table["measured"] = cluster.measured.model_dump(exclude_none=True)
+    doc: dict[str, Any] = {"cluster": table}
+    if cluster.topology is not None:
+        doc.update(topology_to_toml(cluster.topology))
+    return doc
+
+
+def write_cluster_file(cluster: ClusterSpec, path: str | Path) -> None:
+    """Write ``cluster`` as a cluster TOML file that ``load_cluster_file`` reads back equal."""
+    text = tomli_w.dumps(cluster_to_toml(cluster))
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ShardwiseError(f"{path}: cannot write cluster file ({exc.strerror}); check the path") from None

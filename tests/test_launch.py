@@ -1,0 +1,286 @@
+"""launch_local / init_from_env with real processes over gloo on loopback.
+
+Failure tests check three things: the parent raises a ShardwiseError naming the rank
+that failed, no rank process is left alive, and it all happens well within 60 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.errors import ShardwiseError
+from shardwise.runtime import comm
+from shardwise.runtime.launch import RankContext, RankFailure, init_from_env, launch_local
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TESTS = str(Path(__file__).resolve().parent)
+LIMIT_S = 60.0  # the most any failure may take to be detected and cleaned up
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _rank_children() -> list[int]:
+    """Live child processes of this test process, multiprocessing's resource tracker aside."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().split(")")[-1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _pids(tmp: Path, world_size: int, timeout_s: float = LIMIT_S) -> list[int]:
+    """Wait until every rank wrote ``rank{r}.ready`` and return their pids."""
+    deadline = time.monotonic() + timeout_s
+    files = [tmp / f"rank{r}.ready" for r in range(world_size)]
+    while not all(f.exists() for f in files):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"ranks did not start within {timeout_s} s")
+        time.sleep(0.1)
+    return [int(f.read_text()) for f in files]
+
+
+def _mark(tmp: str, rank: int, name: str, text: str) -> None:
+    path = Path(tmp) / f"rank{rank}.{name}"
+    path.with_suffix(".tmp").write_text(text)
+    path.with_suffix(".tmp").rename(path)  # readers never see a half-written file
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _context_worker(rank: int, world_size: int) -> tuple:
+    torch.set_num_threads(1)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME")}
+    return RankContext.current(), t.item(), env, os.getpid()
+
+
+def _failing_worker(rank: int, world_size: int, mode: str, tmp: str) -> None:
+    """Every rank marks itself ready, then one rank fails in the way ``mode`` says
+    while the others sit in collectives."""
+    torch.set_num_threads(1)
+    t = torch.ones(1 << 18)
+    comm.ring_allreduce(t)  # every rank is connected and past start-up
+    _mark(tmp, rank, "ready", str(os.getpid()))
+    dist.barrier()  # every rank's pid is on disk before anything fails
+    if rank == 1 and mode == "raise":
+        _mark(tmp, rank, "failed", repr(time.time()))
+        raise ValueError("boom from rank 1")
+    if rank == 1 and mode == "exit":
+        _mark(tmp, rank, "failed", repr(time.time()))
+        os._exit(3)
+    if rank == 1 and mode == "sleep":  # alive but never joins: the peers' collective times out
+        time.sleep(600)
+    while True:  # "kill": the test SIGKILLs rank 1 from outside while this loops
+        comm.ring_allreduce(t)
+
+
+def _sleeping_worker(rank: int, world_size: int, tmp: str) -> None:
+    _mark(tmp, rank, "ready", str(os.getpid()))
+    time.sleep(600)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_launch_returns_results_in_rank_order_with_context():
+    results = launch_local(_context_worker, 2, run_timeout_s=120)
+    for rank, (ctx, total, env, pid) in enumerate(results):
+        assert ctx == RankContext(rank, 2, rank, "gloo", torch.device("cpu"))
+        assert total == 3.0
+        assert env == {"MASTER_ADDR": "127.0.0.1", "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
+        assert not _alive(pid)
+    assert _rank_children() == []
+
+
+def _expect_failure(tmp: Path, world_size: int, mode: str, **kwargs) -> tuple[RankFailure, float]:
+    """Run ``_failing_worker``; return the error and the time (s) from failure to raise."""
+    with pytest.raises(RankFailure) as info:
+        launch_local(_failing_worker, world_size, (mode, str(tmp)), run_timeout_s=120, **kwargs)
+    raised = time.time()
+    for pid in _pids(tmp, world_size, timeout_s=0):
+        assert not _alive(pid)
+    assert _rank_children() == []
+    failed_at = float((tmp / "rank1.failed").read_text()) if (tmp / "rank1.failed").exists() else None
+    return info.value, (raised - failed_at if failed_at else 0.0)
+
+
+def test_rank_exception_stops_all_ranks(tmp_path):
+    err, detect_s = _expect_failure(tmp_path, 3, "raise")
+    assert isinstance(err, ShardwiseError)
+    assert str(err).startswith("rank 1 of 3 failed: ValueError: boom from rank 1 (exit code 1)")
+    assert "\n" not in str(err)
+    assert err.rank == 1 and all(code != 0 for code in err.exit_codes)
+    assert detect_s < LIMIT_S / 2, f"took {detect_s:.1f} s"
+
+
+def test_rank_exit_code_is_reported(tmp_path):
+    err, detect_s = _expect_failure(tmp_path, 2, "exit")
+    assert str(err).startswith("rank 1 of 2 failed: exit code 3")
+    assert err.exit_codes[1] == 3 and err.exit_codes[0] != 0
+    assert detect_s < LIMIT_S / 2, f"took {detect_s:.1f} s"
+
+
+def test_collective_times_out_and_silent_rank_is_stopped(tmp_path):
+    start = time.monotonic()
+    err, _ = _expect_failure(tmp_path, 2, "sleep", timeout_s=3)
+    assert str(err).startswith("rank 0 of 2 failed: ")
+    assert "Timed out" in str(err) and str(err).endswith("; stopped rank(s) 1")
+    assert err.exit_codes == [1, -signal.SIGTERM]
+    assert time.monotonic() - start < LIMIT_S
+
+
+def test_sigkill_mid_collective_ends_every_rank(tmp_path):
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            launch_local(_failing_worker, 3, ("kill", str(tmp_path)), run_timeout_s=120)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            caught.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    pids = _pids(tmp_path, 3)
+    time.sleep(0.3)  # the ranks are looping over 1 MiB ring all-reduces
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(LIMIT_S)
+    detect_s = time.monotonic() - killed
+    assert not thread.is_alive(), "launch_local still running 60 s after the kill"
+    assert len(caught) == 1 and isinstance(caught[0], RankFailure), caught
+    err = caught[0]
+    assert str(err).startswith("rank 1 of 3 failed: killed by SIGKILL (exit code -9)"), str(err)
+    assert err.rank == 1 and err.exit_codes[1] == -signal.SIGKILL
+    assert all(code != 0 for code in err.exit_codes), err.exit_codes
+    assert not any(_alive(pid) for pid in pids) and _rank_children() == []
+    assert detect_s < LIMIT_S / 2, f"took {detect_s:.1f} s"
+
+
+def test_run_timeout_stops_ranks(tmp_path):
+    expect = r"run exceeded run_timeout_s=8 s .*stopped rank\(s\) 0"
+    with pytest.raises(RankFailure, match=expect) as info:
+        launch_local(_sleeping_worker, 1, (str(tmp_path),), run_timeout_s=8)
+    assert info.value.rank is None and info.value.exit_codes == [-signal.SIGTERM]
+    assert _rank_children() == []
+
+
+def test_ranks_exit_when_the_launcher_dies(tmp_path):
+    code = (
+        "import sys, test_launch\n"
+        "from shardwise.runtime.launch import launch_local\n"
+        "launch_local(test_launch._sleeping_worker, 2, (sys.argv[1],))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS])}
+    launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    try:
+        pids = _pids(tmp_path, 2)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), "ranks outlived their launcher by 10 s"
+    finally:
+        launcher.kill()
+
+
+def test_launch_rejects_bad_input():
+    with pytest.raises(ShardwiseError, match="module-level function"):
+        launch_local(lambda rank, world_size: rank, 2)
+    with pytest.raises(ShardwiseError, match="unknown backend 'mpi'"):
+        launch_local(_context_worker, 2, backend="mpi")
+    with pytest.raises(ShardwiseError, match="world_size must be at least 1"):
+        launch_local(_context_worker, 0)
+
+
+def test_init_from_env_names_missing_variables(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    missing = "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: start with torchrun"
+    with pytest.raises(ShardwiseError, match=missing):
+        init_from_env("gloo")
+    with pytest.raises(ShardwiseError, match="no process group"):
+        RankContext.current()
+
+
+def test_init_from_env_unreachable_master_names_address(monkeypatch):
+    port = _free_port()  # nothing listens there
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    expect = f"rank 1 of 2 could not rendezvous via master 127.0.0.1:{port} "
+    with pytest.raises(ShardwiseError, match=expect):
+        init_from_env("gloo", timeout_s=1)
+    assert time.monotonic() - start < 30
+    assert not dist.is_initialized()
+
+
+def test_torchrun_two_nodes_on_loopback(tmp_path):
+    """Two torchrun 'nodes' (one process each) meet through init_from_env."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from shardwise.runtime.launch import RankContext, init_from_env\n"
+        "rank, world_size = init_from_env('gloo', timeout_s=60)\n"
+        "t = torch.tensor([float(rank + 1)])\n"
+        "dist.all_reduce(t)\n"
+        "print(f'RESULT {RankContext.current()} sum={t.item()}', flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    for node, out in enumerate(outputs):
+        line = next(line for line in out.splitlines() if "RESULT" in line)
+        assert f"rank={node}, world_size=2, local_rank=0, backend='gloo'" in line
+        assert line.endswith("sum=3.0")
