@@ -1,0 +1,5 @@
+"""`python -m shardwise` runs the CLI."""
+
+from shardwise.cli import main
+
+main()

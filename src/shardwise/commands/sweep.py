@@ -1,0 +1,274 @@
+"""`shardwise sweep`: every way to run the models on the catalog's boxes, cut to the Pareto front
+of decode tok/s vs cost vs power (and prefill tok/s with --prefill), best first.
+
+Any dimension can be fixed: --model, --box, --boxes, --link, --quant / --experts. Constraints:
+--budget (USD), --max-watts (loaded W), --min-tok-per-s, --context (tokens the KV cache must
+hold), --max-boxes. The rules behind each row (which links a box can use, switches, prices,
+quantization variants) are in ``shardwise.perf.pareto``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from shardwise.errors import ShardwiseError
+
+DEFAULT_MAX_BOXES = 64
+CSV_FIELDS = (
+    "model", "box", "boxes", "link", "tp", "ep", "pp", "layout", "quant", "bits_per_weight", "tok_per_s",
+    "prefill_tok_per_s", "usd", "watts", "rated_watts", "switches", "price_per_box_usd", "price_basis",
+    "joules_per_token", "usd_per_tok_per_s", "bottleneck", "step_s", "collective_s", "free_bytes",
+    "context_tokens", "runtime", "spec_tokens", "box_name", "link_name",
+)
+
+
+def _names(value: str | None, what: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not names:
+        raise ShardwiseError(f"--{what} is empty: pass one name or a comma-separated list")
+    return names
+
+
+def parse_counts(value: str | None, max_boxes: int | None) -> tuple[int, ...]:
+    """Box counts from --boxes ('16', '4,8,16', '8-16') and --max-boxes."""
+    if max_boxes is not None and max_boxes < 1:
+        raise ShardwiseError(f"--max-boxes must be >= 1, got {max_boxes}")
+    if value is None:
+        return tuple(range(1, (max_boxes or DEFAULT_MAX_BOXES) + 1))
+    counts: set[int] = set()
+    for part in value.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                counts.update(range(lo, hi + 1))
+            else:
+                counts.add(int(part))
+        except ValueError:
+            raise ShardwiseError(f"--boxes '{value}' must be counts like 16, 4,8,16 or 8-16") from None
+    if not counts or min(counts) < 1:
+        raise ShardwiseError(f"--boxes '{value}' must name counts >= 1")
+    if max_boxes is not None:
+        kept = {c for c in counts if c <= max_boxes}
+        if not kept:
+            raise ShardwiseError(f"--boxes {value} are all above --max-boxes {max_boxes}: raise --max-boxes or lower --boxes")
+        counts = kept
+    return tuple(sorted(counts))
+
+
+def build_request(
+    model: str | None = None, box: str | None = None, boxes: str | None = None, link: str | None = None,
+    quant: str | None = None, experts: str | None = None, budget: float | None = None,
+    max_watts: float | None = None, min_tok_per_s: float | None = None, context: int = 4096,
+    max_boxes: int | None = None, runtime: str = "vllm", spec_tokens: int = 0, acceptance: float | None = None,
+    workload: str | None = None, prefill: bool = False, prompt_tokens: int = 2048, list_prices: bool = False,
+    kv_dtype: str = "bf16",
+):
+    """Resolve CLI inputs into a SweepRequest (one-line errors on bad input)."""
+    from shardwise.perf.pareto import SweepRequest
+    from shardwise.perf.profiles import get_profile
+    from shardwise.perf.speculative import check_spec, resolve_acceptance
+    from shardwise.quant.formats import get_format
+    from shardwise.spec.hardware import get_box, get_link, load_catalog
+    from shardwise.spec.model import catalog_models, load_model
+
+    catalog = load_catalog()
+    models = _names(model, "model") or tuple(catalog_models())
+    for m in models:
+        load_model(m)
+    box_objs = tuple(get_box(b) for b in (_names(box, "box") or tuple(catalog.boxes)))
+    link_objs = tuple(get_link(lk) for lk in (_names(link, "link") or tuple(catalog.links)))
+    quants = _names(quant, "quant")
+    for q in quants or ():
+        if q != "native":
+            get_format(q)
+    expert_formats = _names(experts, "experts")
+    for e in expert_formats or ():
+        get_format(e)
+    get_profile(runtime)
+    for name, value in (("budget", budget), ("max-watts", max_watts), ("min-tok-per-s", min_tok_per_s)):
+        if value is not None and value <= 0:
+            raise ShardwiseError(f"--{name} must be > 0, got {value:g}")
+    if context < 1:
+        raise ShardwiseError(f"--context must be >= 1 token, got {context}")
+    if prompt_tokens < 1:
+        raise ShardwiseError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    kv_bytes = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp32": 4.0}.get(kv_dtype)
+    if kv_bytes is None:
+        raise ShardwiseError(f"--kv-dtype '{kv_dtype}' is unknown: use bf16, fp16, fp8 or fp32")
+    if spec_tokens < 0:
+        raise ShardwiseError(f"--spec-tokens must be >= 0, got {spec_tokens}")
+    acc = 0.0
+    if spec_tokens:
+        acc = resolve_acceptance(acceptance, workload)
+        check_spec(spec_tokens, acc)
+    return SweepRequest(
+        models=models, boxes=box_objs, counts=parse_counts(boxes, max_boxes), links=link_objs, quants=quants,
+        experts=expert_formats, context_tokens=context, runtime=runtime, spec_tokens=spec_tokens, acceptance=acc,
+        prefill=prefill, prompt_tokens=prompt_tokens, list_prices=list_prices, kv_bytes=kv_bytes,
+        budget_usd=budget, max_watts=max_watts, min_tok_per_s=min_tok_per_s,
+    )
+
+
+def parse_explain(value: str) -> tuple[str, int, str | None]:
+    """'BOX:N[:LINK]' → (box, count, link)."""
+    parts = value.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None
+    except ValueError:
+        raise ShardwiseError(f"--explain '{value}' must look like BOX:N or BOX:N:LINK, e.g. dgx-spark:16:100g-roce") from None
+
+
+def run(req, explain_targets: list[tuple[str, str, int, str | None]], show_progress: bool):
+    """Run the sweep (with a rich progress bar when asked) and explain each target."""
+    from shardwise.perf.pareto import explain, run_sweep
+
+    if show_progress:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("sweeping"), BarColumn(), MofNCompleteColumn(), TextColumn("model x quantization"),
+                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("sweep", total=None)
+
+            def progress(advance: int, total: int) -> None:
+                bar.update(task, total=total, advance=advance)
+
+            result = run_sweep(req, progress)
+    else:
+        result = run_sweep(req)
+    lines = [explain(result, req, m, b, n, lk) for m, b, n, lk in explain_targets]
+    return result, lines
+
+
+def seed_target(req) -> list[tuple[str, str, int, str | None]]:
+    """The seed's configuration, when the sweep covers it."""
+    from shardwise.commands.plan import SEED
+    from shardwise.spec.hardware import get_link
+
+    link = get_link(SEED["link"]).key
+    if (SEED["model"] in req.models and any(b.key == SEED["box"] for b in req.boxes) and SEED["boxes"] in req.counts
+            and any(lk.key == link for lk in req.links)):
+        return [(SEED["model"], SEED["box"], SEED["boxes"], link)]
+    return []
+
+
+def to_csv(rows: list[dict]) -> str:
+    """The rows as CSV (scalar fields; ``formats`` is in --json only)."""
+    buf = io.StringIO()
+    fields = [f for f in CSV_FIELDS if any(f in r for r in rows)]
+    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: r.get(k, "") for k in fields})
+    return buf.getvalue()
+
+
+def render(result, req, explanations: list[str], limit: int) -> None:
+    """Print the front as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(
+        f"swept [bold]{result.configurations:,}[/] configurations in {result.elapsed_s:.2f} s: "
+        f"{result.fitting:,} fit in memory at {req.context_tokens:,} tokens of context, {result.feasible:,} meet the "
+        f"constraints, [bold]{len(result.rows)}[/] on the Pareto front (decode tok/s vs $ vs W"
+        + (" vs prefill tok/s" if req.prefill else "") + ", per model)"
+    )
+    many = len({r["model"] for r in result.rows}) > 1
+    if many:
+        t = Table(title="Models ranked by decode tok/s (fastest configuration that fits and meets the constraints)")
+        for col, just in (("#", "right"), ("model", "left"), ("tok/s", "right"), ("configuration", "left"),
+                          ("$", "right"), ("W", "right"), ("bottleneck", "left")):
+            t.add_column(col, justify=just)
+        for i, r in enumerate(result.ranking, 1):
+            t.add_row(str(i), r["model"], f"{r['tok_per_s']:,.2f}", _config(r), f"{r['usd']:,.0f}",
+                      f"{r['watts']:,.0f}", r["bottleneck"])
+        con.print(t)
+    t = Table(title=f"Pareto front, best first ({min(limit, len(result.rows))} of {len(result.rows)} rows; --limit for more)")
+    cols = (["model"] if many else []) + ["box", "n", "link", "layout", "quant", "tok/s"] + (
+        ["prefill tok/s"] if req.prefill else []) + ["$", "W", "J/token", "$ per tok/s", "bottleneck"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("model", "box", "link", "layout", "quant", "bottleneck") else "right")
+    for r in result.rows[:limit]:
+        cells = ([r["model"]] if many else []) + [r["box"], str(r["boxes"]), r["link"], r["layout"], r["quant"],
+                                                 f"{r['tok_per_s']:,.2f}"]
+        if req.prefill:
+            cells.append(f"{r['prefill_tok_per_s']:,.0f}")
+        cells += [f"{r['usd']:,.0f}", f"{r['watts']:,.0f}", f"{r['joules_per_token']:,.1f}",
+                  f"{r['usd_per_tok_per_s']:,.0f}", r["bottleneck"]]
+        t.add_row(*cells)
+    con.print(t)
+    for line in explanations:
+        con.print(f"[bold]check:[/] {line}")
+    con.print(
+        f"[dim]runtime profile {req.runtime}; $ = boxes at the builder's price where known, else list "
+        f"(--list-prices), plus switches; W = loaded watts of boxes and switches; rules: shardwise.perf.pareto[/]"
+    )
+
+
+def _config(r: dict) -> str:
+    link = "" if r["link"] == "none" else f" over {r['link']}"
+    return f"{r['boxes']} x {r['box']}{link}, {r['layout']}, {r['quant']}"
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `sweep` verb."""
+
+    @app.command("sweep")
+    def sweep_command(
+        model: Annotated[Optional[str], typer.Option(help="catalog model(s), comma-separated (default: all)")] = None,
+        box: Annotated[Optional[str], typer.Option(help="catalog box(es), comma-separated (default: all)")] = None,
+        boxes: Annotated[Optional[str], typer.Option(help="box counts: 16, 4,8,16 or 8-16 (default 1..--max-boxes)")] = None,
+        link: Annotated[Optional[str], typer.Option(help="catalog link(s), comma-separated (default: all)")] = None,
+        quant: Annotated[Optional[str], typer.Option(help="formats for every matmul weight, comma-separated; 'native' = the checkpoint's (default: native,fp8,mxfp4, never above the checkpoint)")] = None,
+        experts: Annotated[Optional[str], typer.Option(help="format(s) of the routed experts, comma-separated")] = None,
+        budget: Annotated[Optional[float], typer.Option(help="most USD for boxes and switches")] = None,
+        max_watts: Annotated[Optional[float], typer.Option(help="most loaded watts, boxes and switches")] = None,
+        min_tok_per_s: Annotated[Optional[float], typer.Option(help="least decode tok/s")] = None,
+        context: Annotated[int, typer.Option(help="context tokens at decode (the KV cache must fit)")] = 4096,
+        max_boxes: Annotated[Optional[int], typer.Option(help=f"most boxes (default {DEFAULT_MAX_BOXES})")] = None,
+        runtime: Annotated[str, typer.Option(help="runtime profile: ideal, vllm, llama-cpp, mlx, shardwise")] = "vllm",
+        spec_tokens: Annotated[int, typer.Option(help="speculative draft tokens per step (0 = off)")] = 0,
+        acceptance: Annotated[Optional[float], typer.Option(help="per-token draft acceptance in (0, 1)")] = None,
+        workload: Annotated[Optional[str], typer.Option(help="named acceptance: code-edit or chat")] = None,
+        prefill: Annotated[bool, typer.Option("--prefill", help="add prefill tok/s as an objective and a column")] = False,
+        prompt_tokens: Annotated[int, typer.Option(help="prompt tokens for --prefill")] = 2048,
+        list_prices: Annotated[bool, typer.Option("--list-prices", help="list prices for every box")] = False,
+        kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype")] = "bf16",
+        explain: Annotated[Optional[list[str]], typer.Option(help="BOX:N[:LINK]: say whether it is on the front, or what beats it")] = None,
+        limit: Annotated[int, typer.Option(help="rows in the table")] = 25,
+        json_out: Annotated[bool, typer.Option("--json", help="print the front as a JSON list of rows")] = False,
+        csv_out: Annotated[bool, typer.Option("--csv", help="print the front as CSV")] = False,
+    ) -> None:
+        """Sweep boxes x counts x links x layouts x quantizations x models; print the Pareto front."""
+        if json_out and csv_out:
+            raise ShardwiseError("--json and --csv both given: pick one")
+        req = build_request(model, box, boxes, link, quant, experts, budget, max_watts, min_tok_per_s, context,
+                            max_boxes, runtime, spec_tokens, acceptance, workload, prefill, prompt_tokens,
+                            list_prices, kv_dtype)
+        targets = seed_target(req)
+        for value in explain or ():
+            b, n, lk = parse_explain(value)
+            targets += [(m, b, n, lk) for m in req.models]
+        result, lines = run(req, targets, show_progress=sys.stderr.isatty())
+        if json_out:
+            print(json.dumps(result.rows, indent=1))
+        elif csv_out:
+            sys.stdout.write(to_csv(result.rows))
+        else:
+            render(result, req, lines, limit)
+        if json_out or csv_out:
+            for line in lines:
+                print(f"check: {line}", file=sys.stderr)

@@ -1,0 +1,607 @@
+"""The sweep: enumerate models × boxes × counts × links × layouts × quantizations, keep what fits
+and meets the constraints, and return the Pareto front of decode tok/s vs cost vs power.
+
+Each (model, quantization) is one numpy evaluation over a grid of layouts × boxes × links
+(``perf.sweep``); nothing loops per configuration.
+
+Rules the sweep applies (each one a modelling choice, stated here so rows can be read):
+
+- **Links a box can use** (``link_capacity``): NVLink only between GPUs of the same NVLink
+  generation, at most 8 (one HGX board); PCIe only between GPU cards of that PCIe generation or
+  newer, at most 8 in one host; Thunderbolt 5 only between boxes with Thunderbolt 5 ports,
+  cabled as a full mesh (at most ports + 1 boxes); Ethernet only when the link's effective
+  speed fits the box's fastest Ethernet port (the "NGbE" ports its ``nic`` names, its
+  ConnectX/RoCE NIC at ``nic_gbit_s``, else ``nic_gbit_s``), RDMA over Ethernet only on a
+  ConnectX/RoCE NIC. One box
+  uses no link (``link = "none"``).
+- **Switches**: two boxes are cabled directly; more need ``ceil(boxes / switch_ports)``
+  switches of the link's kind (uplinks between switches not counted).
+- **Price**: per box, what the seed's builder paid where the catalog has it (as ``shardwise
+  plan`` does), else the list price; ``list_prices=True`` uses list prices throughout.
+  ``usd`` = boxes + switches. **Power**: ``watts`` = boxes × loaded watts + switches' watts.
+- **Quantization**: by default each model runs at its checkpoint's formats (``native``) and at
+  ``fp8`` and ``mxfp4``, applied to the matmul weights, never *raising* a group above its
+  checkpoint precision. Precision is then a fourth objective (``bits_per_weight``, higher is
+  closer to the checkpoint) so a lower-bit variant does not hide the native one.
+- **Pareto front**: per model (a small model on the same boxes always beats a large one; the
+  front compares ways to run *one* model). Objectives: tok/s up, usd down, watts down,
+  bits_per_weight up (when variants differ), prefill tok/s up (when asked).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardwise.errors import ShardwiseError
+from shardwise.perf import sweep as core
+from shardwise.perf.estimate import formats_bits
+from shardwise.perf.profiles import get_profile
+from shardwise.plan import ParallelPlan, validate_plan, valid_tp_degrees
+from shardwise.quant.formats import get_format
+from shardwise.spec.hardware import Box, Link
+from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec
+
+GB = 1e9
+NO_LINK = "none"
+DEFAULT_QUANTS = ("native", "fp8", "mxfp4")
+HOST_GPUS_MAX = 8  # GPUs on one NVLink board or in one PCIe host
+_CHUNK = 1024
+
+
+# ---- what can be built ------------------------------------------------------------------------
+
+
+def link_capacity(box: Box, link: Link) -> int:
+    """Most boxes of ``box`` that ``link`` can join (0: this box cannot use this link)."""
+    nic = box.nic
+    if link.kind == "nvlink":
+        want = re.search(r"NVLink (\d+)", link.name)
+        have = re.search(r"NVLink (\d+)", nic)
+        return HOST_GPUS_MAX if want and have and want.group(1) == have.group(1) else 0
+    if link.kind == "pcie":
+        want = re.search(r"PCIe (\d+)", link.name)
+        have = re.search(r"PCIe (\d+)", nic)
+        return HOST_GPUS_MAX if want and have and int(have.group(1)) >= int(want.group(1)) else 0
+    if "Thunderbolt 5" in link.name:
+        ports = re.search(r"Thunderbolt 5 x(\d+)", nic)
+        return int(ports.group(1)) + 1 if ports else 0
+    rdma_nic = re.search(r"ConnectX|RoCE", nic) is not None
+    if link.kind == "rdma" and not rdma_nic:
+        return 0
+    ports = [float(x) for x in re.findall(r"(\d+)\s*GbE", nic)] + ([box.nic_gbit_s] if rdma_nic else [])
+    if link.bandwidth_gbps * 8 > max(ports or [box.nic_gbit_s]):
+        return 0
+    return 1 << 30
+
+
+def switches_needed(boxes: int | np.ndarray, link: Link | None) -> np.ndarray:
+    """Switches for ``boxes`` boxes on ``link``: none for 1-2 boxes or switchless links."""
+    n = np.asarray(boxes)
+    if link is None or not link.switch_ports:
+        return np.zeros(n.shape, dtype=np.int64)
+    return np.where(n > 2, -(-n // link.switch_ports), 0)
+
+
+def box_price(box: Box, list_prices: bool = False) -> tuple[float, str]:
+    """(USD per box, which price) under the sweep's price rule."""
+    if box.builder_price_usd and not list_prices:
+        return box.builder_price_usd, "builder"
+    return box.list_price_usd, "list"
+
+
+def enumerate_layouts(model: ModelSpec, counts: tuple[int, ...]) -> list[ParallelPlan]:
+    """Every valid (tp, ep, pp) with tp·pp in ``counts`` (one rank per box)."""
+    out = []
+    experts = model.moe.num_experts if model.moe else 1
+    for n in sorted(set(counts)):
+        for tp in valid_tp_degrees(model):
+            if n % tp or n // tp > model.num_layers:
+                continue
+            for ep in range(1, tp + 1):
+                if tp % ep or experts % ep or (ep > 1 and model.moe is None):
+                    continue
+                plan = ParallelPlan(tp=tp, ep=ep, pp=n // tp)
+                try:
+                    validate_plan(model, plan)
+                except ShardwiseError:
+                    continue
+                out.append(plan)
+    return out
+
+
+@dataclass(frozen=True)
+class QuantVariant:
+    """One quantization of a model: a label and the format of every tensor group."""
+
+    label: str
+    formats: tuple[tuple[str, str], ...]
+
+    @property
+    def format_map(self) -> dict[str, str]:
+        """Format name per tensor group."""
+        return dict(self.formats)
+
+
+def quant_variants(model: ModelSpec, quants: tuple[str, ...] | None, experts: tuple[str, ...] | None) -> list[QuantVariant]:
+    """The quantizations to sweep for ``model`` (see module docstring), deduplicated.
+
+    ``quants`` None: the defaults, capped at the checkpoint's precision. Given explicitly,
+    each format is applied to every matmul group as given (as ``shardwise plan --quant``).
+    ``experts``: formats for the routed experts, crossed with each variant.
+    """
+    native = model.group_formats()
+    explicit = quants is not None
+    out: dict[tuple, QuantVariant] = {}
+    for q in quants if explicit else DEFAULT_QUANTS:
+        formats = dict(native)
+        if q != "native":
+            bits = get_format(q).bits_per_weight
+            for g in MATMUL_GROUPS:
+                if explicit or bits < get_format(native[g]).bits_per_weight:
+                    formats[g] = q
+        for e in experts or (None,):
+            f = dict(formats)
+            label = q
+            if e is not None:
+                get_format(e)
+                f[ROUTED_EXPERTS] = e
+                label = f"{q}, experts {e}"
+            key = tuple(sorted(f.items()))
+            out.setdefault(key, QuantVariant(label, key))
+    return list(out.values())
+
+
+# ---- request and result ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepRequest:
+    """What to enumerate and which constraints to apply (None: unconstrained)."""
+
+    models: tuple[str, ...]
+    boxes: tuple[Box, ...]
+    counts: tuple[int, ...]
+    links: tuple[Link, ...]
+    quants: tuple[str, ...] | None = None
+    experts: tuple[str, ...] | None = None
+    context_tokens: int = 4096
+    runtime: str = "vllm"
+    spec_tokens: int = 0
+    acceptance: float = 0.0
+    prefill: bool = False
+    prompt_tokens: int = 2048
+    list_prices: bool = False
+    kv_bytes: float = 2.0
+    reserve_fraction: float = 0.10
+    budget_usd: float | None = None
+    max_watts: float | None = None
+    min_tok_per_s: float | None = None
+
+
+@dataclass
+class _Nearest:
+    """Running best configuration under a violation score."""
+
+    score: float = math.inf
+    row: dict | None = None
+
+
+@dataclass
+class SweepResult:
+    """The front (rows, best first) and the counts behind it."""
+
+    rows: list[dict]
+    configurations: int  # enumerated: model × quant × layout × box × link combinations that can be cabled
+    fitting: int  # of those, fit in memory at the context
+    feasible: int  # of those, meet every constraint
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+    ranking: list[dict] = field(default_factory=list)  # best row per model, by tok/s
+
+
+# Constraint names, in the order violations are reported.
+_CONSTRAINTS = ("memory", "budget", "watts", "tok_per_s")
+
+
+def _constraint_text(req: SweepRequest, name: str) -> str:
+    return {
+        "memory": f"memory (fit at --context {req.context_tokens} on at most {max(req.counts)} boxes)",
+        "budget": f"--budget {req.budget_usd:,.0f}" if req.budget_usd is not None else "",
+        "watts": f"--max-watts {req.max_watts:,.0f}" if req.max_watts is not None else "",
+        "tok_per_s": f"--min-tok-per-s {req.min_tok_per_s:g}" if req.min_tok_per_s is not None else "",
+    }[name]
+
+
+class _Model:
+    """Everything swept for one model, accumulated over its quantization variants."""
+
+    def __init__(self, name: str, spec: ModelSpec):
+        self.name, self.spec = name, spec
+        self.cols: dict[str, list[np.ndarray]] = {}
+
+    def add(self, **cols: np.ndarray) -> None:
+        for k, v in cols.items():
+            self.cols.setdefault(k, []).append(v)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: np.concatenate(v) for k, v in self.cols.items()} if self.cols else {}
+
+
+def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
+    """Evaluate every configuration of ``req``; ``progress(advance, total)`` is called per step."""
+    import time
+
+    from shardwise.spec.model import load_model
+
+    t0 = time.perf_counter()
+    if not req.models or not req.boxes or not req.counts or (not req.links and max(req.counts) > 1):
+        raise ShardwiseError("nothing to sweep: give at least one model, box, box count and link")
+    prof = get_profile(req.runtime)
+    factors = dict(mem_efficiency=prof.mem_efficiency, compute_efficiency=prof.compute_efficiency,
+                   step_overhead_s=prof.step_overhead_s, collective_overhead_s=prof.collective_overhead_s)
+    boxes, links = req.boxes, (None, *req.links)
+    prices = np.array([box_price(b, req.list_prices)[0] for b in boxes])
+    bw = np.array([b.memory_bandwidth_gbps * GB for b in boxes])[None, :, None]
+    peak = np.array([b.tflops_bf16 * 1e12 for b in boxes])[None, :, None]
+    mem = np.array([b.memory_gb * GB for b in boxes])[None, :, None]
+    alpha = np.array([0.0] + [lk.latency_s for lk in req.links])[None, None, :]
+    beta = np.array([1.0] + [lk.bandwidth_gbps * GB for lk in req.links])[None, None, :]
+    network = np.array([False] + [lk.kind in ("tcp", "rdma") for lk in req.links])[None, None, :]
+    capacity = np.array([[1] + [link_capacity(b, lk) for lk in req.links] for b in boxes])  # (B, K)
+    sw_price = np.array([0.0] + [lk.switch_price_usd or 0.0 for lk in req.links])
+    sw_watts = np.array([0.0] + [lk.switch_watts or 0.0 for lk in req.links])
+    load_w = np.array([b.load_watts for b in boxes])
+    rated_w = np.array([b.rated_watts for b in boxes])
+
+    specs = [(name, load_model(name)) for name in req.models]
+    work = [(name, spec, quant_variants(spec, req.quants, req.experts)) for name, spec in specs]
+    total_steps = sum(len(v) for _, _, v in work)
+    if progress:
+        progress(0, total_steps)
+    totals = dict(configurations=0, fitting=0, feasible=0)
+    nearest = {c: _Nearest() for c in _CONSTRAINTS}
+    overall = _Nearest()
+    models: list[_Model] = []
+    layouts: dict[str, list[ParallelPlan]] = {}
+    variants: dict[str, list[QuantVariant]] = {}
+    for name, spec, quants in work:
+        plans = enumerate_layouts(spec, req.counts)
+        layouts[name], variants[name] = plans, quants
+        acc = _Model(name, spec)
+        models.append(acc)
+        if not plans:
+            if progress:
+                progress(len(quants), total_steps)
+            continue
+        counts = core.count_layouts(spec, plans, req.kv_bytes)
+        n = (counts.tp * counts.pp)[:, None, None]
+        cap = capacity[None, :, :]
+        link_ok = np.where(n == 1, np.arange(len(links))[None, None, :] == 0, np.arange(len(links))[None, None, :] > 0)
+        buildable = link_ok & (n <= cap)  # (P, B, K)
+        switches = np.stack([switches_needed(n[:, 0, 0], lk) for lk in links], axis=-1)[:, None, :]
+        usd = n * prices[None, :, None] + switches * sw_price[None, None, :]
+        watts = n * load_w[None, :, None] + switches * sw_watts[None, None, :]
+        layout_idx = np.arange(len(plans))[:, None, None]
+        for qi, variant in enumerate(quants):
+            table = core.build_layout_table(spec, counts, formats_bits(variant.format_map), req.kv_bytes)
+            out = core.evaluate(
+                spec, table, layout_idx, bw, peak, mem, alpha, beta, req.context_tokens, link_network=network,
+                allreduce=prof.allreduce, reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens,
+                acceptance=req.acceptance, **factors,
+            )
+            shape = buildable.shape
+            tok = np.broadcast_to(out["tok_per_s"], shape)
+            fits = np.broadcast_to(out["fits"], shape)
+            viol = {
+                "memory": np.broadcast_to(np.maximum(0.0, out["used_bytes"] / mem - 1.0), shape),
+                "budget": np.maximum(0.0, usd / req.budget_usd - 1.0) if req.budget_usd is not None else np.zeros(shape),
+                "watts": np.maximum(0.0, watts / req.max_watts - 1.0) if req.max_watts is not None else np.zeros(shape),
+                "tok_per_s": np.maximum(0.0, req.min_tok_per_s / tok - 1.0) if req.min_tok_per_s is not None else np.zeros(shape),
+            }
+            viol = {k: np.broadcast_to(v, shape) for k, v in viol.items()}
+            ok = buildable & fits
+            for c in ("budget", "watts", "tok_per_s"):
+                ok = ok & (viol[c] == 0.0)
+            totals["configurations"] += int(buildable.sum())
+            totals["fitting"] += int((buildable & fits).sum())
+            totals["feasible"] += int(ok.sum())
+            grid = dict(usd=usd, watts=watts, tok=tok, out=out, shape=shape)
+            _track_nearest(req, name, variant, plans, boxes, links, buildable, viol, nearest, overall, grid)
+            p_i, b_i, k_i = np.nonzero(ok)
+            if not len(p_i):
+                if progress:
+                    progress(1, total_steps)
+                continue
+            cols = dict(
+                quant=np.full(len(p_i), qi), layout=p_i, box=b_i, link=k_i,
+                tok=tok[p_i, b_i, k_i], usd=np.broadcast_to(usd, shape)[p_i, b_i, k_i],
+                watts=np.broadcast_to(watts, shape)[p_i, b_i, k_i], bits=np.full(len(p_i), table.bits_per_weight),
+                bottleneck=np.broadcast_to(out["bottleneck"], shape)[p_i, b_i, k_i],
+                step_s=np.broadcast_to(out["step_s"], shape)[p_i, b_i, k_i],
+                collective_s=np.broadcast_to(out["collective_s"], shape)[p_i, b_i, k_i],
+                free_bytes=np.broadcast_to(out["free_bytes"], shape)[p_i, b_i, k_i],
+            )
+            if req.prefill:
+                pf = core.evaluate_prefill(spec, table, layout_idx, bw, peak, alpha, beta, req.prompt_tokens,
+                                           link_network=network, **factors)
+                cols["prefill"] = np.broadcast_to(pf["tok_per_s"], shape)[p_i, b_i, k_i]
+            acc.add(**cols)
+            if progress:
+                progress(1, total_steps)
+
+    ctx = _RowContext(req, boxes, links, prices, load_w, rated_w, layouts, variants)
+    rows: list[dict] = []
+    ranking: list[dict] = []
+    for acc in models:
+        cols = acc.arrays()
+        if not cols:
+            continue
+        keep = front_indices(cols, prefill=req.prefill)
+        model_rows = [ctx.row(acc.name, {k: v[i] for k, v in cols.items()}) for i in keep]
+        rows.extend(model_rows)
+        ranking.append(model_rows[0])
+    rows.sort(key=_row_order)
+    ranking.sort(key=_row_order)
+    elapsed = time.perf_counter() - t0
+    result = SweepResult(rows=rows, ranking=ranking, elapsed_s=elapsed, **totals)
+    if not rows:
+        raise ShardwiseError(_nothing_message(req, nearest, overall, totals))
+    return result
+
+
+def _row_order(row: dict) -> tuple:
+    return (-row["tok_per_s"], row["usd"], row["watts"], -row["bits_per_weight"], row["model"], row["box"],
+            row["boxes"], row["link"], row["tp"], row["ep"], row["pp"], row["quant"])
+
+
+@dataclass
+class _RowContext:
+    req: SweepRequest
+    boxes: tuple[Box, ...]
+    links: tuple[Link | None, ...]
+    prices: np.ndarray
+    load_w: np.ndarray
+    rated_w: np.ndarray
+    layouts: dict[str, list[ParallelPlan]]
+    variants: dict[str, list[QuantVariant]]
+
+    def row(self, model: str, v: dict) -> dict:
+        plan = self.layouts[model][int(v["layout"])]
+        box = self.boxes[int(v["box"])]
+        link = self.links[int(v["link"])]
+        variant = self.variants[model][int(v["quant"])]
+        n = plan.world_size
+        switches = int(switches_needed(n, link))
+        tok = float(v["tok"])
+        usd, watts = float(v["usd"]), float(v["watts"])
+        row = {
+            "model": model, "box": box.key, "box_name": box.name, "boxes": n,
+            "link": link.key if link else NO_LINK, "link_name": link.name if link else "one box, no link",
+            "tp": plan.tp, "ep": plan.ep, "pp": plan.pp, "layout": plan.describe(),
+            "quant": variant.label, "bits_per_weight": float(v["bits"]),
+            "tok_per_s": tok,
+        }
+        if "prefill" in v:
+            row["prefill_tok_per_s"] = float(v["prefill"])
+        row.update({
+            "usd": usd, "watts": watts, "rated_watts": n * float(self.rated_w[int(v["box"])]),
+            "switches": switches, "price_per_box_usd": float(self.prices[int(v["box"])]),
+            "price_basis": box_price(box, self.req.list_prices)[1],
+            "joules_per_token": watts / tok, "usd_per_tok_per_s": usd / tok,
+            "bottleneck": core.BOTTLENECKS[int(v["bottleneck"])], "step_s": float(v["step_s"]),
+            "collective_s": float(v["collective_s"]), "free_bytes": float(v["free_bytes"]),
+            "context_tokens": self.req.context_tokens, "runtime": self.req.runtime,
+            "spec_tokens": self.req.spec_tokens, "formats": variant.format_map,
+        })
+        return row
+
+
+def _track_nearest(req, name, variant, plans, boxes, links, buildable, viol, nearest, overall, grid) -> None:
+    """Keep, per constraint, the configuration that meets every other one and misses this one
+    least; and overall the one with the smallest summed violation."""
+    total = sum(viol.values())
+    for c in _CONSTRAINTS:
+        others = buildable.copy()
+        for o in _CONSTRAINTS:
+            if o != c:
+                others &= viol[o] == 0.0
+        if not others.any():
+            continue
+        score = np.where(others, viol[c], np.inf)
+        i = np.unravel_index(int(np.argmin(score)), score.shape)
+        if score[i] > 0 and score[i] < nearest[c].score:
+            nearest[c].score = float(score[i])
+            nearest[c].row = _brief(req, name, variant, plans, boxes, links, i, grid, viol)
+    score = np.where(buildable, total, np.inf)
+    i = np.unravel_index(int(np.argmin(score)), score.shape)
+    if np.isfinite(score[i]) and score[i] < overall.score:
+        overall.score = float(score[i])
+        overall.row = _brief(req, name, variant, plans, boxes, links, i, grid, viol)
+
+
+def _brief(req, name, variant, plans, boxes, links, i, grid, viol) -> dict:
+    p, b, k = (int(x) for x in i)
+    plan, link = plans[p], links[k]
+    shape = grid["shape"]
+    return {
+        "text": f"{name} ({variant.label}) on {plan.world_size} x {boxes[b].key}"
+                f"{' over ' + link.key if link else ''}, {plan.describe()}",
+        "tok_per_s": float(grid["tok"][p, b, k]), "usd": float(np.broadcast_to(grid["usd"], shape)[p, b, k]),
+        "watts": float(np.broadcast_to(grid["watts"], shape)[p, b, k]),
+        "free_bytes": float(np.broadcast_to(grid["out"]["free_bytes"], shape)[p, b, k]),
+        "violated": [c for c in _CONSTRAINTS if viol[c][p, b, k] > 0],
+    }
+
+
+def _describe(req: SweepRequest, row: dict) -> str:
+    misses = []
+    for c in row["violated"]:
+        if c == "memory":
+            misses.append(f"{-row['free_bytes'] / GB:,.1f} GB short of memory")
+        elif c == "budget":
+            misses.append(f"${row['usd'] - req.budget_usd:,.0f} over --budget")
+        elif c == "watts":
+            misses.append(f"{row['watts'] - req.max_watts:,.0f} W over --max-watts")
+        else:
+            misses.append(f"{req.min_tok_per_s - row['tok_per_s']:,.2f} tok/s under --min-tok-per-s")
+    return (f"{row['text']}: {row['tok_per_s']:,.2f} tok/s, ${row['usd']:,.0f}, {row['watts']:,.0f} W"
+            + (f" ({'; '.join(misses)})" if misses else ""))
+
+
+def _nothing_message(req: SweepRequest, nearest: dict, overall: _Nearest, totals: dict) -> str:
+    if totals["configurations"] == 0:
+        return ("no configuration can be built: no box in the sweep can use any link in it for more than one box, "
+                "or no layout divides the box counts; widen --box / --link / --boxes")
+    alone = [(v.score, c, v.row) for c, v in nearest.items() if v.row is not None]
+    if alone:
+        score, c, row = min(alone, key=lambda t: t[0])
+        return f"no configuration meets every constraint: {_constraint_text(req, c)} binds; nearest: {_describe(req, row)}"
+    names = ", ".join(_constraint_text(req, c) for c in overall.row["violated"]) if overall.row else "the constraints"
+    return f"no configuration meets {names} together; nearest: {_describe(req, overall.row)}"
+
+
+# ---- Pareto front ------------------------------------------------------------------------------
+
+
+def pareto_mask(objectives: np.ndarray) -> np.ndarray:
+    """Rows of ``objectives`` (N × k, every column to maximize) that no other row dominates.
+
+    Row j dominates row i when it is at least as good in every column and better in one.
+    Rows sorted best-first lexicographically put every dominator before what it dominates, so
+    each chunk is checked against the front so far and against itself only.
+    """
+    objectives = np.asarray(objectives, dtype=float)
+    n = len(objectives)
+    keep = np.zeros(n, dtype=bool)
+    if n == 0:
+        return keep
+    order = np.lexsort(tuple(-objectives[:, j] for j in reversed(range(objectives.shape[1]))))
+    ranked = objectives[order]
+    front = np.empty((0, objectives.shape[1]))
+    for start in range(0, n, _CHUNK):
+        chunk = ranked[start:start + _CHUNK]
+        alive = np.ones(len(chunk), dtype=bool)
+        if len(front):
+            alive = ~_dominated_by(front, chunk)
+        cand = chunk[alive]
+        if len(cand) > 1:
+            mine = ~_dominated_by(cand, cand)
+            idx = np.flatnonzero(alive)
+            alive[idx[~mine]] = False
+            cand = cand[mine]
+        keep[order[start:start + _CHUNK][alive]] = True
+        front = np.concatenate([front, cand])
+    return keep
+
+
+def _dominated_by(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """For each row of ``b``: is some row of ``a`` at least as good everywhere and better somewhere."""
+    out = np.zeros(len(b), dtype=bool)
+    step = max(1, 4_000_000 // max(1, len(b) * a.shape[1]))
+    for s in range(0, len(a), step):
+        part = a[s:s + step, None, :]
+        out |= ((part >= b[None]).all(-1) & (part > b[None]).any(-1)).any(0)
+    return out
+
+
+def front_indices(cols: dict[str, np.ndarray], prefill: bool = False) -> np.ndarray:
+    """Indices of one model's non-dominated configurations, best first (tok/s down, then usd,
+    watts up).
+
+    Without a prefill objective, configurations differing only in layout share usd, watts and
+    bits, so only the fastest layout of each (quant, box, count, link) can be on the front:
+    the others are dropped first (ties kept).
+    """
+    idx = np.arange(len(cols["tok"]))
+    if not prefill:
+        key = np.stack([cols["quant"], cols["box"], cols["usd"], cols["watts"], cols["link"]])
+        order = np.lexsort((-cols["tok"], *key[::-1]))
+        k = key[:, order]
+        starts = np.concatenate([[True], np.any(k[:, 1:] != k[:, :-1], axis=0)])
+        group = np.cumsum(starts) - 1
+        best = np.maximum.reduceat(cols["tok"][order], np.flatnonzero(starts))
+        idx = order[cols["tok"][order] == best[group]]
+    objs = [cols["tok"][idx], -cols["usd"][idx], -cols["watts"][idx]]
+    if len(np.unique(cols["bits"][idx])) > 1:
+        objs.append(cols["bits"][idx])
+    if prefill:
+        objs.append(cols["prefill"][idx])
+    keep = idx[pareto_mask(np.stack(objs, axis=1))]
+    order = np.lexsort((cols["watts"][keep], cols["usd"][keep], -cols["tok"][keep]))
+    return keep[order]
+
+
+# ---- one configuration against the front ----------------------------------------------------------
+
+
+def explain(result: SweepResult, req: SweepRequest, model: str, box: str, boxes: int, link: str | None) -> str:
+    """One line: is this configuration (native quantization, its fastest layout) on the front,
+    and if not, what dominates it or which constraint removes it."""
+    from shardwise.spec.model import load_model
+
+    spec = load_model(model)
+    box_obj = next((b for b in req.boxes if b.key == box), None)
+    link_obj = next((lk for lk in req.links if lk.key == link), None) if link else None
+    label = f"{boxes} x {box}" + (f" over {link}" if link else "") + f" ({model}, native)"
+    if box_obj is None or boxes not in req.counts or (link and link_obj is None) or model not in req.models:
+        return f"{label} is outside this sweep"
+    plans = enumerate_layouts(spec, (boxes,))
+    if not plans:
+        return f"{label}: no tp x pp layout of {model} uses exactly {boxes} boxes"
+    variant = quant_variants(spec, ("native",), None)[0]
+    table = core.build_layout_table(spec, plans, formats_bits(variant.format_map), req.kv_bytes)
+    prof = get_profile(req.runtime)
+    out = core.evaluate(
+        spec, table, np.arange(len(plans)), box_obj.memory_bandwidth_gbps * GB, box_obj.tflops_bf16 * 1e12,
+        box_obj.memory_gb * GB, link_obj.latency_s if link_obj else 0.0,
+        link_obj.bandwidth_gbps * GB if link_obj else 1.0, req.context_tokens,
+        link_network=bool(link_obj and link_obj.kind in ("tcp", "rdma")), allreduce=prof.allreduce,
+        mem_efficiency=prof.mem_efficiency, compute_efficiency=prof.compute_efficiency,
+        step_overhead_s=prof.step_overhead_s, collective_overhead_s=prof.collective_overhead_s,
+        reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens, acceptance=req.acceptance,
+    )
+    if link_obj is not None and boxes > link_capacity(box_obj, link_obj):
+        return f"{label} cannot be cabled: {box} cannot use {link} for {boxes} boxes"
+    fits = out["fits"]
+    if not fits.any():
+        return f"{label} does not fit: {-out['free_bytes'].max() / GB:,.1f} GB short on the fullest box at --context {req.context_tokens}"
+    best = int(np.argmax(np.where(fits, out["tok_per_s"], -np.inf)))
+    tok = float(out["tok_per_s"][best])
+    usd = boxes * box_price(box_obj, req.list_prices)[0] + int(switches_needed(boxes, link_obj)) * (
+        (link_obj.switch_price_usd or 0.0) if link_obj else 0.0)
+    watts = boxes * box_obj.load_watts + int(switches_needed(boxes, link_obj)) * (
+        (link_obj.switch_watts or 0.0) if link_obj else 0.0)
+    what = f"{label}, {plans[best].describe()}: {tok:,.2f} tok/s, ${usd:,.0f}, {watts:,.0f} W"
+    misses = []
+    if req.budget_usd is not None and usd > req.budget_usd:
+        misses.append(f"over --budget by ${usd - req.budget_usd:,.0f}")
+    if req.max_watts is not None and watts > req.max_watts:
+        misses.append(f"over --max-watts by {watts - req.max_watts:,.0f} W")
+    if req.min_tok_per_s is not None and tok < req.min_tok_per_s:
+        misses.append(f"under --min-tok-per-s by {req.min_tok_per_s - tok:,.2f}")
+    if misses:
+        return f"{what} is excluded: {'; '.join(misses)}"
+    for i, row in enumerate(result.rows, 1):
+        if (row["model"], row["box"], row["boxes"], row["link"], row["quant"]) == (model, box, boxes, link or NO_LINK, "native") \
+                and abs(row["tok_per_s"] - tok) <= 1e-9 * tok:
+            return f"{what} is on the front (row {i} of {len(result.rows)})"
+    bits = table.bits_per_weight
+    for row in result.rows:
+        if row["model"] != model:
+            continue
+        if row["tok_per_s"] >= tok and row["usd"] <= usd and row["watts"] <= watts and row["bits_per_weight"] >= bits - 1e-12:
+            gains = []
+            if row["tok_per_s"] > tok:
+                gains.append(f"{row['tok_per_s'] / tok - 1:.0%} faster")
+            if row["usd"] < usd:
+                gains.append(f"${usd - row['usd']:,.0f} cheaper")
+            if row["watts"] < watts:
+                gains.append(f"{watts - row['watts']:,.0f} W less")
+            return (f"{what} is dominated by {row['boxes']} x {row['box']} over {row['link']}, {row['layout']} "
+                    f"({row['quant']}): {row['tok_per_s']:,.2f} tok/s, ${row['usd']:,.0f}, {row['watts']:,.0f} W "
+                    f"({', '.join(gains) or 'equal'})")
+    return f"{what} is dominated by a configuration outside the listed rows"

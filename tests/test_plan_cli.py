@@ -1,0 +1,158 @@
+"""`shardwise plan` end to end: the seed's arithmetic, the seed's measurement, and every error path."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SEED_MEASURED_TOK_PER_S = 21.71  # data/measurements.csv row S1 (16 x DGX Spark, RoCE, TP16+EP16, 7 drafts, 4k ctx)
+
+
+def shardwise(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True, timeout=120)
+
+
+def plan_json(*args: str) -> dict:
+    proc = shardwise("plan", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def seed() -> dict:
+    return plan_json()
+
+
+def test_json_has_the_documented_keys(seed):
+    for section, key in [
+        ("model", "total_params"), ("model", "active_params"), ("memory", "min_boxes_weights"), ("memory", "min_boxes"),
+        ("decode", "bytes_per_token"), ("decode", "naive_ceiling_tok_per_s"), ("decode", "ceiling_tok_per_s"),
+        ("decode", "tok_per_s"), ("decode", "bottleneck"), ("decode", "waterfall"), ("prefill", "tok_per_s"),
+        ("power", "rated_watts"), ("power", "load_watts"), ("cost", "usd"),
+    ]:
+        assert key in seed[section], (section, key)
+    assert all({"step", "tok_per_s"} <= set(step) for step in seed["decode"]["waterfall"])
+    assert "input embedding excluded" in seed["model"]["active_convention"]
+
+
+def test_default_plan_reproduces_the_seed_arithmetic(seed):
+    assert seed["cluster"] == seed["cluster"] | {"boxes": 16, "box": "NVIDIA DGX Spark (GB10 Grace Blackwell)"}
+    assert seed["memory"]["min_boxes_weights"] == 13  # ~1.56 TB over 128 GB
+    assert 1.50e12 < seed["memory"]["total_weight_bytes"] < 1.60e12
+    assert 56e9 < seed["decode"]["naive_bytes_per_token"] < 60e9  # ~58 GB per token
+    first = seed["decode"]["waterfall"][0]
+    assert first["step"] == "seed arithmetic" and 74 <= first["tok_per_s"] <= 76
+    assert seed["decode"]["naive_ceiling_tok_per_s"] == first["tok_per_s"]
+    assert seed["cost"]["usd"] == 16 * 6950 == 111_200
+    assert seed["power"]["rated_watts"] == 16 * 240 == 3840
+    assert seed["plan"]["tp"] == 16 and seed["plan"]["ep"] == 16
+
+
+def test_waterfall_explains_the_gap_step_by_step(seed):
+    steps = seed["decode"]["waterfall"]
+    names = [s["step"] for s in steps]
+    assert names[:2] == ["seed arithmetic", "per-group precision"]
+    assert "expert imbalance" in names and "collective latency" in names
+    # BF16 attention/shared weights make the real bytes per token far more than 104 B x 4.5 bit.
+    assert seed["decode"]["bytes_per_token"] > 2 * seed["decode"]["naive_bytes_per_token"]
+    assert seed["decode"]["tok_per_s"] == pytest.approx(steps[-1]["tok_per_s"])
+    assert seed["decode"]["ceiling_tok_per_s"] < seed["decode"]["naive_ceiling_tok_per_s"]
+    assert all(s["cause"] for s in steps)
+
+
+def test_seed_settings_land_within_30_percent_of_the_measurement():
+    doc = plan_json("--spec-tokens", "7", "--workload", "code-edit", "--context", "4096", "--runtime", "vllm")
+    assert abs(doc["decode"]["tok_per_s"] - SEED_MEASURED_TOK_PER_S) / SEED_MEASURED_TOK_PER_S < 0.30
+    assert doc["decode"]["waterfall"][-1]["step"] == "speculative decoding"
+    assert doc["decode"]["speculative"]["tokens_per_step"] > 1
+
+
+def test_tcp_is_much_slower_than_rdma():
+    roce = plan_json("--spec-tokens", "7", "--workload", "code-edit")["decode"]
+    tcp = plan_json("--spec-tokens", "7", "--workload", "code-edit", "--link", "10gbe-tcp")["decode"]
+    assert tcp["tok_per_s"] < roce["tok_per_s"] / 2
+    assert tcp["bottleneck"] == "network latency"
+
+
+def test_more_context_reads_more_kv():
+    short = plan_json("--model", "llama-3.1-70b", "--boxes", "4", "--context", "1024")["decode"]
+    long = plan_json("--model", "llama-3.1-70b", "--boxes", "4", "--context", "100000")["decode"]
+    assert long["busiest_rank_bytes_per_token"] > short["busiest_rank_bytes_per_token"]
+    assert long["tok_per_s"] < short["tok_per_s"]
+
+
+def test_quant_override_changes_bytes():
+    bf16 = plan_json("--model", "qwen3-30b-a3b", "--boxes", "1", "--box", "h100-sxm")["decode"]["bytes_per_token"]
+    q4 = plan_json("--model", "qwen3-30b-a3b", "--boxes", "1", "--box", "h100-sxm", "--quant", "q4_0")["decode"]
+    assert q4["bytes_per_token"] < 0.4 * bf16
+
+
+def test_human_output_renders_tables():
+    proc = shardwise("plan", "--model", "gpt-oss-120b", "--box", "dgx-spark", "--boxes", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "Decode waterfall" in proc.stdout and "bottleneck" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "kimi-k4"], "unknown model 'kimi-k4': did you mean"),
+        (["--box", "dgx-sparc"], "unknown box 'dgx-sparc': did you mean"),
+        (["--link", "100g-rocee"], "unknown link '100g-rocee'"),
+        (["--runtime", "vllmm"], "unknown runtime profile 'vllmm'"),
+        (["--quant", "mxfp5"], "unknown quantization format 'mxfp5'"),
+        (["--tp", "5"], "--tp 5 does not divide"),
+        (["--ep", "3"], "--ep 3"),
+        (["--spec-tokens", "-1"], "--spec-tokens must be >= 0"),
+        (["--spec-tokens", "3", "--acceptance", "1.5"], "--acceptance must be in (0, 1)"),
+        (["--kv-dtype", "int3"], "--kv-dtype 'int3' is unknown"),
+        (["--boxes", "4"], "does not fit on 4 x"),
+        (["--model", "/nonexistent/config.json"], "does not exist"),
+        (["--tp", "8", "--pp", "1"], "--boxes is 16"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(args, message):
+    proc = shardwise("plan", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_not_fitting_says_how_many_boxes_would():
+    proc = shardwise("plan", "--boxes", "4")
+    assert "it needs 15 boxes" in proc.stderr or "it needs 16 boxes" in proc.stderr
+
+
+def test_malformed_and_unsupported_configs(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "llama", "hidden_size": 64}')
+    proc = shardwise("plan", "--model", str(bad))
+    assert proc.returncode == 2 and "missing required field" in proc.stderr
+    bad.write_text('{"model_type": "rwkv", "hidden_size": 64}')
+    proc = shardwise("plan", "--model", str(bad))
+    assert proc.returncode == 2 and "unsupported model_type 'rwkv'" in proc.stderr
+
+
+def test_planning_path_does_not_import_torch():
+    code = (
+        "import sys, io, contextlib\n"
+        "sys.argv = ['shardwise', 'plan', '--json']\n"
+        "from shardwise.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n        main()\n    except SystemExit:\n        pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_catalog_lists_everything():
+    proc = shardwise("catalog", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert {"kimi-k3", "deepseek-v3", "gpt-oss-120b"} <= {m["key"] for m in doc["models"]}
+    assert "dgx-spark" in {b["key"] for b in doc["boxes"]}
+    assert "100g-roce" in {lk["key"] for lk in doc["links"]}
+    assert {f["name"]: f["bits_per_weight"] for f in doc["formats"]}["mxfp4"] == 4.25
+    assert {"ideal", "vllm", "llama-cpp", "mlx"} <= {p["name"] for p in doc["profiles"]}

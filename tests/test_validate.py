@@ -1,0 +1,82 @@
+"""The model against published measurements, and the calibration that fits the runtime profiles."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.errors import ShardwiseError
+from shardwise.perf.calibrate import DEFAULT_CSV, calibrate
+from shardwise.perf.measurements import parse_number, read_measurements, resolve
+from shardwise.perf.profiles import load_profiles
+from shardwise.perf.validate import validate_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_default_csv_is_the_repo_copy_with_sources():
+    assert DEFAULT_CSV == REPO / "data" / "measurements.csv"
+    rows = list(csv.DictReader(DEFAULT_CSV.open()))
+    assert rows and all(r["source"].strip() for r in rows)
+
+
+def test_parse_number_handles_published_forms():
+    assert parse_number("~70") == 70
+    assert parse_number("5-9") == 7
+    assert parse_number("1,155.40") == 1155.4
+    assert parse_number("not stated") is None
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return validate_file(DEFAULT_CSV)
+
+
+def test_calibrated_model_beats_the_pure_roofline(report):
+    assert report["resolved"] >= 30
+    assert report["median_ape"] < report["baseline_median_ape"]
+    ids = {r["id"] for r in report["rows"]}
+    assert {"S1", "S4", "S5"} <= ids
+
+
+def test_unresolvable_rows_are_listed_with_a_reason_not_guessed(report):
+    reasons = {u["id"]: u["reason"] for u in report["unresolved"]}
+    assert "no bundled config" in reasons["2"]  # LLaMA-2 7B
+    assert "batch 32" in reasons["39"]
+    assert all(u["reason"] for u in report["unresolved"])
+
+
+def test_resolution_of_the_seed_rows():
+    rows = {m.id: m for m in read_measurements(DEFAULT_CSV)}
+    s1 = resolve(rows["S1"])
+    assert s1.model.name == "kimi-k3" and s1.box_key == "dgx-spark" and s1.link_key == "100g-roce"
+    assert (s1.plan.tp, s1.plan.ep) == (16, 16) and s1.spec_tokens == 7
+    assert resolve(rows["S5"]).link_key == "10gbe-tcp"
+
+
+def test_stored_profiles_equal_a_fresh_fit():
+    fitted = calibrate(DEFAULT_CSV)
+    stored = load_profiles()
+    for name in ("vllm", "llama-cpp", "mlx"):
+        for field in ("mem_efficiency", "compute_efficiency", "step_overhead_s", "collective_overhead_s"):
+            assert getattr(fitted[name], field) == pytest.approx(getattr(stored[name], field)), (name, field)
+
+
+def test_missing_column_is_named(tmp_path):
+    bad = tmp_path / "m.csv"
+    bad.write_text("id,model\n1,x\n")
+    with pytest.raises(ShardwiseError, match="lacks column"):
+        read_measurements(bad)
+
+
+def test_validate_cli_json():
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "validate", str(DEFAULT_CSV), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert {"median_ape", "baseline_median_ape", "resolved", "unresolved", "rows"} <= set(doc)
+    row = doc["rows"][0]
+    assert {"measured_tok_per_s", "predicted_tok_per_s", "ape", "roofline_ape"} <= set(row)
