@@ -1,6 +1,7 @@
 """`shardwise plan` end to end: the seed's arithmetic, the seed's measurement, and every error path."""
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -156,3 +157,16 @@ def test_catalog_lists_everything():
     assert "100g-roce" in {lk["key"] for lk in doc["links"]}
     assert {f["name"]: f["bits_per_weight"] for f in doc["formats"]}["mxfp4"] == 4.25
     assert {"ideal", "vllm", "llama-cpp", "mlx"} <= {p["name"] for p in doc["profiles"]}
+
+
+def test_plan_on_a_cable_graph_prints_the_best_host_order():
+    topo = str(Path(__file__).parent / "data" / "two_switch_8.toml")
+    doc = plan_json("--model", "qwen3-235b-a22b", "--cluster", topo, "--runtime", "shardwise")
+    ring = doc["plan"]["ring"]
+    assert ring["listed_order"] == ["a1", "b1", "a2", "b2", "a3", "b3", "a4", "b4"]
+    best = ring["best_order"]
+    crossings = sum(best[i][0] != best[(i + 1) % 8][0] for i in range(8))
+    assert crossings == 2  # the slow uplink once each way
+    assert ring["best_s"] < ring["listed_s"] <= ring["worst_s"]
+    assert sorted(ring["rank_order"]) == list(range(8))
+    assert doc["cluster"]["boxes"] == 8

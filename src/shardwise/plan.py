@@ -195,13 +195,32 @@ def rank_tensors(model: ModelSpec, plan: ParallelPlan, rank: int) -> list[Tensor
     return out
 
 
-def rank_param_counts(model: ModelSpec, plan: ParallelPlan, rank: int) -> dict[str, int]:
-    """Parameters (elements) rank ``rank`` holds, per tensor group."""
-    tp_rank = rank % plan.tp
-    counts: dict[str, int] = {}
-    for t in rank_tensors(model, plan, rank):
+def _tensor_counts(tensors, plan: ParallelPlan, tp_rank: int, counts: dict[str, int]) -> None:
+    for t in tensors:
         n = math.prod(shard_shape(t, plan, tp_rank))
         if t.is_routed and t.expert_dim is None:
             n *= t.experts // plan.ep
         counts[t.group] = counts.get(t.group, 0) + n
+
+
+def rank_param_counts(model: ModelSpec, plan: ParallelPlan, rank: int) -> dict[str, int]:
+    """Parameters (elements) rank ``rank`` holds, per tensor group."""
+    tp_rank = rank % plan.tp
+    stage = rank // plan.tp
+    last = stage == plan.pp - 1
+    counts: dict[str, int] = {}
+    globals_ = [
+        t for t in model.globals
+        if (t.group == EMBEDDING and (stage == 0 or (last and model.tie_word_embeddings)))
+        or (t.group != EMBEDDING and last)
+    ]
+    _tensor_counts(globals_, plan, tp_rank, counts)
+    per_structure: dict[int, dict[str, int]] = {}
+    for i in plan.stage_layers(model.num_layers, stage):
+        sid = model.layer_structure[i]
+        if sid not in per_structure:
+            per_structure[sid] = {}
+            _tensor_counts(model.layers[i].tensors, plan, tp_rank, per_structure[sid])
+        for group, n in per_structure[sid].items():
+            counts[group] = counts.get(group, 0) + n
     return counts

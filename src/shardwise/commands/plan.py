@@ -32,9 +32,10 @@ def build_scenario(
     from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, load_model
 
     spec = load_model(model)
+    topology = None
     if cluster:
         cl = load_cluster_file(cluster)
-        box_obj, link_obj, n = cl.box, cl.link, cl.boxes
+        box_obj, link_obj, n, topology = cl.box, cl.link, cl.boxes, cl.topology
         if boxes is not None and boxes != n:
             raise ShardwiseError(f"--boxes {boxes} disagrees with cluster file '{cluster}' ({n} boxes): drop --boxes")
     else:
@@ -90,7 +91,7 @@ def build_scenario(
         model=spec, box=box_obj, boxes=n, link=link_obj, plan=plan, formats=formats,
         profile=get_profile(runtime), context_tokens=context, prompt_tokens=prompt_tokens,
         spec_tokens=spec_tokens, acceptance=acc, price_usd=unit_price, price_note=price_note,
-        kv_bytes=kv_bytes,
+        kv_bytes=kv_bytes, topology=topology,
     )
 
 
@@ -130,6 +131,13 @@ def render(doc: dict) -> None:
         f"bandwidth ceiling {d['ceiling_tok_per_s']:,.1f}); bottleneck: [bold]{d['bottleneck']}[/]; "
         f"{d['collectives_per_step']} collectives/step, all-reduce {d['allreduce_algorithm']}"
     )
+    ring = doc["plan"].get("ring")
+    if ring:
+        con.print(
+            f"ring order (give torchrun/NCCL this host order): [bold]{' '.join(ring['best_order'])}[/] "
+            f"{ring['best_s'] * 1e6:,.1f} us per all-reduce; listed order {ring['listed_s'] * 1e6:,.1f} us; "
+            f"worst {ring['worst_s'] * 1e6:,.1f} us"
+        )
     con.print(f"prefill ({pf['prompt_tokens']} tokens): {pf['tok_per_s']:,.0f} tok/s, bottleneck {pf['bottleneck']}")
     con.print(
         f"power: {pw['load_watts']:,.0f} W under load ({pw['rated_watts']:,.0f} W rated supplies, "

@@ -9,6 +9,7 @@ and the KV cache once; it costs the same number of collectives with ``n``-times 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,7 @@ class Hardware:
     link_alpha_s: float
     link_beta_bytes_per_s: float
     network: bool = True  # a network link (tcp/rdma) rather than NVLink/PCIe inside one host
+    ring_allreduce_s: Callable[[float], float] | None = None  # ring cost on a real topology (seconds for n bytes)
 
 
 @dataclass(frozen=True)
@@ -148,13 +150,20 @@ def global_bytes(model: ModelSpec, plan: ParallelPlan, formats_bits: dict[str, f
 
 
 def allreduce_cost(n_bytes: float, p: int, hw: Hardware, algorithms: tuple[str, ...]) -> tuple[str, float]:
-    """Cheapest all-reduce among ``algorithms`` (ring, rd, oneshot, tree) by the link's α-β: (name, seconds)."""
+    """Cheapest all-reduce among ``algorithms`` (ring, rd, oneshot, tree) by the link's α-β: (name, seconds).
+
+    With a cable graph (``hw.ring_allreduce_s``) the ring is costed on the topology in the
+    searched rank order, congestion on shared uplinks included; the others use the flat link.
+    """
     if p <= 1:
         return "none", 0.0
     best = ("none", float("inf"))
     for name in algorithms:
-        fn = collectives.ALLREDUCE_ALGORITHMS[_COLLECTIVE_NAMES[name]]
-        cost = float(fn(n_bytes, p, hw.link_alpha_s, hw.link_beta_bytes_per_s))
+        if name == "ring" and hw.ring_allreduce_s is not None:
+            cost = hw.ring_allreduce_s(n_bytes)
+        else:
+            fn = collectives.ALLREDUCE_ALGORITHMS[_COLLECTIVE_NAMES[name]]
+            cost = float(fn(n_bytes, p, hw.link_alpha_s, hw.link_beta_bytes_per_s))
         if cost < best[1]:
             best = (name, cost)
     return best
@@ -222,14 +231,14 @@ def step_terms(
     collective_s = 0.0
     count = 0
     if plan.tp > 1:
-        for lc in layers:
-            collective_s += 2 * ar_s
-            count += 2
-            if lc.latent:
-                latent_msg = positions * model.moe.latent_size * ACTIVATION_BYTES
-                collective_s += collectives.ring_allgather_s(latent_msg, plan.tp, alpha, beta)
-                collective_s += collectives.ring_reduce_scatter_s(latent_msg, plan.tp, alpha, beta)
-                count += 2
+        latent_layers = sum(1 for lc in layers if lc.latent)
+        collective_s += 2 * len(layers) * ar_s
+        count += 2 * len(layers) + 2 * latent_layers
+        if latent_layers:
+            latent_msg = positions * model.moe.latent_size * ACTIVATION_BYTES
+            pair = collectives.ring_allgather_s(latent_msg, plan.tp, alpha, beta)
+            pair += collectives.ring_reduce_scatter_s(latent_msg, plan.tp, alpha, beta)
+            collective_s += latent_layers * pair
         collective_s += collectives.ring_allgather_s(positions * 8 * plan.tp, plan.tp, alpha, beta)
         count += 1
     if plan.pp > 1:

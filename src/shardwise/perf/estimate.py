@@ -47,18 +47,45 @@ class Scenario:
     price_note: str = ""
     kv_bytes: float = 2.0
     reserve_fraction: float = 0.10
+    topology: object | None = None  # shardwise.topology.Topology of the cluster file, if any
     notes: tuple[str, ...] = field(default=())
 
 
-def hardware_of(box, link) -> Hardware:
-    """SI-unit view of a catalog box and link."""
+def hardware_of(box, link, ring_order_s=None) -> Hardware:
+    """SI-unit view of a catalog box and link (``ring_order_s``: ring cost on a cable graph)."""
     return Hardware(
         mem_bandwidth_bytes_per_s=box.memory_bandwidth_gbps * GB,
         peak_flops=box.tflops_bf16 * 1e12,
         link_alpha_s=link.latency_s,
         link_beta_bytes_per_s=link.bandwidth_gbps * GB,
         network=link.kind in ("tcp", "rdma"),
+        ring_allreduce_s=ring_order_s,
     )
+
+
+def ring_orders(sc: Scenario) -> dict | None:
+    """Best, listed and worst ring orders on the cluster's cable graph for the decode message."""
+    if sc.topology is None or sc.plan.tp < 2:
+        return None
+    from shardwise.topology import best_ring_order, worst_ring_order
+
+    topo = sc.topology
+    msg = sc.model.hidden_size * 2
+    best = best_ring_order(topo, msg)
+    worst = worst_ring_order(topo, msg)
+    return {
+        "message_bytes": msg, "best_order": list(best.order), "best_s": best.allreduce_s, "best_exact": best.exact,
+        "listed_order": list(topo.hosts), "listed_s": topo.ring_allreduce_time(topo.hosts, msg),
+        "worst_order": list(worst.order), "worst_s": worst.allreduce_s,
+        "rank_order": [topo.hosts.index(h) for h in best.order],
+    }
+
+
+def _hardware(sc: Scenario, rings: dict | None) -> Hardware:
+    if rings is None:
+        return hardware_of(sc.box, sc.link)
+    order = tuple(rings["best_order"])
+    return hardware_of(sc.box, sc.link, lambda n: sc.topology.ring_allreduce_time(order, n))
 
 
 def formats_bits(formats: dict[str, str]) -> dict[str, float]:
@@ -79,13 +106,13 @@ def profile_kwargs(profile: RuntimeProfile) -> dict:
     )
 
 
-def decode_speed(sc: Scenario, layers=None, **overrides) -> tuple[float, StepCost, StepCost, float]:
+def decode_speed(sc: Scenario, layers=None, hw: Hardware | None = None, **overrides) -> tuple[float, StepCost, StepCost, float]:
     """(tok/s, plain step, final step, tokens per final step) under the scenario's profile.
 
-    ``overrides`` replace profile factors (used by calibration); ``layers`` can be precomputed.
+    ``overrides`` replace profile factors (used by calibration); ``layers`` and ``hw`` can be precomputed.
     """
     bits = formats_bits(sc.formats)
-    hw = hardware_of(sc.box, sc.link)
+    hw = hw or _hardware(sc, ring_orders(sc))
     if layers is None:
         layers = layer_costs(sc.model, sc.plan, bits, sc.kv_bytes)
     kwargs = {**profile_kwargs(sc.profile), **overrides}
@@ -101,7 +128,8 @@ def estimate(sc: Scenario) -> dict:
     """Memory, decode, prefill, waterfall, bottleneck, power and cost for one scenario."""
     m, plan, prof = sc.model, sc.plan, sc.profile
     bits = formats_bits(sc.formats)
-    hw = hardware_of(sc.box, sc.link)
+    rings = ring_orders(sc)
+    hw = _hardware(sc, rings)
     layers = layer_costs(m, plan, bits, sc.kv_bytes)
     ctx = sc.context_tokens
 
@@ -126,7 +154,7 @@ def estimate(sc: Scenario) -> dict:
         m, plan, layers, bits, hw, ctx, 1, mem_efficiency=prof.mem_efficiency,
         compute_efficiency=prof.compute_efficiency, collective_overhead_s=prof.collective_overhead_s, **common,
     )
-    tok_per_s, plain, final, tokens = decode_speed(sc, layers)
+    tok_per_s, plain, final, tokens = decode_speed(sc, layers, hw)
 
     steps = [
         {"step": "seed arithmetic", "tok_per_s": naive_tok,
@@ -183,7 +211,7 @@ def estimate(sc: Scenario) -> dict:
         imbalance = {
             "experts_per_token": m.moe.top_k, "ep": plan.ep,
             "expected_busiest": roof.experts_busiest, "average": roof.experts_average,
-            **{f"monte_carlo_{k}": v for k, v in load_percentiles(m.moe.num_experts, m.moe.top_k, plan.ep, samples=4000).items()},
+            **{f"monte_carlo_{k}": v for k, v in load_percentiles(m.moe.num_experts, m.moe.top_k, plan.ep, samples=2000).items()},
         }
 
     fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction)
@@ -204,7 +232,8 @@ def estimate(sc: Scenario) -> dict:
             "memory_bandwidth_gbps": sc.box.memory_bandwidth_gbps, "link_bandwidth_gbps": sc.link.bandwidth_gbps,
             "link_latency_s": sc.link.latency_s,
         },
-        "plan": {"tp": plan.tp, "ep": plan.ep, "pp": plan.pp, "layout": plan.describe(), "runtime": prof.name},
+        "plan": {"tp": plan.tp, "ep": plan.ep, "pp": plan.pp, "layout": plan.describe(), "runtime": prof.name,
+                 "ring": rings},
         "memory": {
             "box_bytes": fit.box_bytes, "weights_bytes": fit.weights_bytes, "kv_bytes": fit.kv_bytes,
             "workspace_bytes": fit.workspace_bytes, "reserve_bytes": fit.reserve_bytes, "free_bytes": fit.free_bytes,

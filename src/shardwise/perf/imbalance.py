@@ -93,10 +93,23 @@ def monte_carlo_max_load(
     touched = np.zeros((samples, num_experts), dtype=bool)
     rows = np.arange(samples)[:, None]
     for _ in range(tokens):
-        picks = np.argpartition(rng.random((samples, num_experts)), top_k - 1, axis=1)[:, :top_k]
-        touched[rows, picks] = True
+        touched[rows, _distinct_picks(rng, samples, num_experts, top_k)] = True
     counts = touched.reshape(samples, ep, per).sum(axis=2)
     return counts.max(axis=1)
+
+
+def _distinct_picks(rng: np.random.Generator, samples: int, num_experts: int, top_k: int) -> np.ndarray:
+    """``samples`` rows of ``top_k`` distinct experts, uniform (draws with replacement, redraws rows
+    that repeated an expert: cheap when top_k is much smaller than num_experts)."""
+    if 4 * top_k > num_experts:
+        return np.argpartition(rng.random((samples, num_experts)), top_k - 1, axis=1)[:, :top_k]
+    picks = rng.integers(0, num_experts, size=(samples, top_k))
+    while True:
+        ordered = np.sort(picks, axis=1)
+        bad = np.any(ordered[:, 1:] == ordered[:, :-1], axis=1)
+        if not bad.any():
+            return picks
+        picks[bad] = rng.integers(0, num_experts, size=(int(bad.sum()), top_k))
 
 
 def load_percentiles(

@@ -49,7 +49,7 @@ GB = 1e9
 NO_LINK = "none"
 DEFAULT_QUANTS = ("native", "fp8", "mxfp4")
 HOST_GPUS_MAX = 8  # GPUs on one NVLink board or in one PCIe host
-_CHUNK = 1024
+_CHUNK = 256
 
 
 # ---- what can be built ------------------------------------------------------------------------
@@ -97,8 +97,9 @@ def enumerate_layouts(model: ModelSpec, counts: tuple[int, ...]) -> list[Paralle
     """Every valid (tp, ep, pp) with tp·pp in ``counts`` (one rank per box)."""
     out = []
     experts = model.moe.num_experts if model.moe else 1
+    tps = valid_tp_degrees(model)
     for n in sorted(set(counts)):
-        for tp in valid_tp_degrees(model):
+        for tp in tps:
             if n % tp or n // tp > model.num_layers:
                 continue
             for ep in range(1, tp + 1):
@@ -471,8 +472,10 @@ def pareto_mask(objectives: np.ndarray) -> np.ndarray:
     """Rows of ``objectives`` (N × k, every column to maximize) that no other row dominates.
 
     Row j dominates row i when it is at least as good in every column and better in one.
-    Rows sorted best-first lexicographically put every dominator before what it dominates, so
-    each chunk is checked against the front so far and against itself only.
+    Sorted best-first lexicographically, every dominator comes before what it dominates. So
+    the first block of the rows still in play holds its own front (checked block against
+    block); that front then removes every later row it dominates in one vectorized pass, and
+    the next block starts from what is left.
     """
     objectives = np.asarray(objectives, dtype=float)
     n = len(objectives)
@@ -481,30 +484,29 @@ def pareto_mask(objectives: np.ndarray) -> np.ndarray:
         return keep
     order = np.lexsort(tuple(-objectives[:, j] for j in reversed(range(objectives.shape[1]))))
     ranked = objectives[order]
-    front = np.empty((0, objectives.shape[1]))
-    for start in range(0, n, _CHUNK):
-        chunk = ranked[start:start + _CHUNK]
-        alive = np.ones(len(chunk), dtype=bool)
-        if len(front):
-            alive = ~_dominated_by(front, chunk)
-        cand = chunk[alive]
-        if len(cand) > 1:
-            mine = ~_dominated_by(cand, cand)
-            idx = np.flatnonzero(alive)
-            alive[idx[~mine]] = False
-            cand = cand[mine]
-        keep[order[start:start + _CHUNK][alive]] = True
-        front = np.concatenate([front, cand])
+    remaining = np.arange(n)
+    while remaining.size:
+        block, rest = remaining[:_CHUNK], remaining[_CHUNK:]
+        cand = ranked[block]
+        front = block[~_dominated_by(cand, cand)]
+        keep[order[front]] = True
+        remaining = rest[~_dominated_by(ranked[front], ranked[rest])] if rest.size else rest
     return keep
 
 
 def _dominated_by(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """For each row of ``b``: is some row of ``a`` at least as good everywhere and better somewhere."""
     out = np.zeros(len(b), dtype=bool)
-    step = max(1, 4_000_000 // max(1, len(b) * a.shape[1]))
+    step = max(1, 2_000_000 // max(1, len(b)))
     for s in range(0, len(a), step):
-        part = a[s:s + step, None, :]
-        out |= ((part >= b[None]).all(-1) & (part > b[None]).any(-1)).any(0)
+        part = a[s:s + step]
+        ge = np.ones((len(part), len(b)), dtype=bool)
+        gt = np.zeros((len(part), len(b)), dtype=bool)
+        for j in range(a.shape[1]):  # column by column: numpy reduces a tiny last axis slowly
+            x, y = part[:, j, None], b[None, :, j]
+            ge &= x >= y
+            gt |= x > y
+        out |= (ge & gt).any(axis=0)
     return out
 
 

@@ -183,9 +183,12 @@ def count_layouts(model: ModelSpec, plans: list[ParallelPlan], kv_bytes: float =
         read_g, row, first_g, last_g, all_g = gl
         glob["global_read_numel_g"][i], emb_row[i] = read_g, row
         glob["global_first_numel_g"][i], glob["global_last_numel_g"][i], glob["global_all_numel_g"][i] = first_g, last_g, all_g
-        for s in range(plan.pp):
-            r = plan.stage_layers(n_layers, s)
-            start[i, s], stop[i, s], valid[i, s] = r.start, r.stop, True
+        # plan.stage_layers, vectorized: earlier stages take the remainder.
+        base, extra = divmod(n_layers, plan.pp)
+        st = np.arange(plan.pp)
+        start[i, :plan.pp] = st * base + np.minimum(st, extra)
+        stop[i, :plan.pp] = start[i, :plan.pp] + base + (st < extra)
+        valid[i, :plan.pp] = True
         workspace[i] = PREFILL_CHUNK_TOKENS * (8 * model.hidden_size + model.vocab_size // plan.tp) * 4.0
     windows = np.array([layer.window if layer.window else np.inf for layer in model.layers], dtype=float)
     latent = np.array([layer.mlp == "moe" and model.moe is not None and model.moe.latent_size is not None for layer in model.layers])

@@ -59,6 +59,36 @@ def _attend(
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+    scaling: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of queries at ``positions`` over the cached keys/values [B, H, L, d].
+
+    A prefill (first position 0) or a single-token step attends in one call. A multi-token
+    pass past position 0 — a speculative verify pass — attends **row by row**, each query
+    over exactly the keys ``0..p`` a single-token step at its position p sees, so every
+    row runs the same kernel shapes as that step and gives bit-identical output (a wider
+    softmax or matmul changes the summation order). Keys past a row's position — rejected
+    drafts of an earlier pass included — are never read, so rolling the static cache back
+    only needs the next pass to start at the accepted length.
+    """
+    if positions.numel() == 1 or int(positions[0]) == 0:
+        mask = attention_mask(positions, k.shape[2], window, q.dtype)
+        return _attend(q, k, v, mask, scaling, sinks)
+    rows = []
+    for i in range(positions.numel()):
+        end = int(positions[i]) + 1
+        mask = attention_mask(positions[i : i + 1], end, window, q.dtype)
+        rows.append(_attend(q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], mask, scaling, sinks))
+    return torch.cat(rows, dim=1)
+
+
 class GQAttention(nn.Module):
     """Grouped-query attention over this rank's heads, static KV cache [B, kv_local, S, d]."""
 
@@ -108,8 +138,7 @@ class GQAttention(nn.Module):
         self.v_cache[:b, :, start:end] = v
         keys = self.k_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
         values = self.v_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
-        mask = attention_mask(positions, end, self.window, q.dtype)
-        out = _attend(q, keys, values, mask, self.scaling, self.sinks)
+        out = attend(q, keys, values, positions, self.window, self.scaling, self.sinks)
         return self.o_proj(out)
 
 
@@ -176,6 +205,5 @@ class MLAttention(nn.Module):
         k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
         keys = torch.cat([k_nope, latent[..., self.kv_lora_rank :].unsqueeze(1).expand(-1, self.heads, -1, -1)], dim=-1)
         query = torch.cat([q_pass, q_rot], dim=-1)
-        mask = attention_mask(positions, end, None, query.dtype)
-        out = _attend(query, keys, values, mask, self.scaling)
+        out = attend(query, keys, values, positions, None, self.scaling)
         return self.o_proj(out)

@@ -95,10 +95,13 @@ def generate(
     max_new_tokens: int,
     sampling: SamplingParams | None = None,
     eos: set[int] | None = None,
+    tracer=None,
 ) -> GenerationResult:
     """Prefill ``prompt_ids`` then decode up to ``max_new_tokens`` tokens (stopping after EOS).
 
-    Every rank of the model's group must call this with the same arguments.
+    Every rank of the model's group must call this with the same arguments. With an
+    attached ``trace.Tracer`` every step (prefill, then each decode token) is timed per
+    layer; without one the loop reads no extra clocks.
     """
     if not prompt_ids:
         raise ShardwiseError("the prompt is empty: pass at least one token")
@@ -117,16 +120,24 @@ def generate(
     eos = eos_ids(model.spec.config) if eos is None else eos
     pick = _Picker(model, sampling or SamplingParams())
     t0 = time.perf_counter()
+    if tracer is not None:
+        tracer.begin_step("prefill", 0, len(prompt_ids))
     hidden = model(torch.tensor([list(prompt_ids)]), 0)
     token = pick(hidden[:, -1])
+    if tracer is not None:
+        tracer.end_step()
     prefill_s = time.perf_counter() - t0
     tokens, steps = [token], []
     pos = len(prompt_ids)
     t1 = time.perf_counter()
     while token not in eos and len(tokens) < max_new_tokens:
         ts = time.perf_counter()
+        if tracer is not None:
+            tracer.begin_step("decode", pos)
         hidden = model(torch.tensor([[token]]), pos)
         token = pick(hidden[:, -1])
+        if tracer is not None:
+            tracer.end_step()
         steps.append(time.perf_counter() - ts)
         tokens.append(token)
         pos += 1

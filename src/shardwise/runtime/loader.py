@@ -14,8 +14,15 @@ On-disk layouts handled for routed experts:
   with gate/up columns interleaved, ``down_proj [E, I, H]``; they are transposed on load to
   the ModelSpec's (out, in) layout.
 
-``check_checkpoint`` validates every tensor's presence and shape from the headers alone
-before any weight is read.
+MXFP4 checkpoints (gpt-oss ``*_blocks`` / ``*_scales``, compressed-tensors
+``weight_packed`` / ``weight_scale``; see ``runtime.quantized``): a packed parameter
+(``param.packed``) gets this rank's slice of the stored uint8 tensor — its experts, and
+its rows or whole blocks under expert tensor parallelism — without decoding anything; a
+float parameter whose weight is packed on disk (a quantized attention or dense Linear) is
+read as its packed slice and decoded once.
+
+``check_checkpoint`` validates every tensor's presence, shape and (for packed tensors)
+dtype from the headers alone before any weight is read.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from safetensors import safe_open
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, local_experts, shard_slice
+from shardwise.runtime.mxfp4 import decode
+from shardwise.runtime.quantized import BLOCKS, SCALES, Quantization, quantization
 from shardwise.spec.model import ModelSpec, TensorSpec, load_model
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,6 +48,13 @@ SINGLE_FILE = "model.safetensors"
 
 def _dims(shape) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+_SAFETENSORS_DTYPES = {
+    "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32", "I64": "int64",
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
 
 
 class Checkpoint:
@@ -97,6 +113,11 @@ class Checkpoint:
         if name not in self._shapes:
             self._shapes[name] = tuple(self._handle(name).get_slice(name).get_shape())
         return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        """Stored dtype of tensor ``name`` as a torch name ('uint8', 'bfloat16', ...), from the header."""
+        raw = self._handle(name).get_slice(name).get_dtype()
+        return _SAFETENSORS_DTYPES.get(raw, raw)
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The slice ``index`` (one slice per leading dimension) of tensor ``name``."""
@@ -157,34 +178,91 @@ def sources(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint | None, expert
     return Source(fused_name, shape, expert=e, row_offset=rows if part == "up" else 0)
 
 
-def _expected(spec: ModelSpec, ckpt: Checkpoint) -> Iterator[Source]:
+def _expected(spec: ModelSpec, ckpt: Checkpoint, quant: Quantization) -> Iterator[Source]:
+    """The float tensors the checkpoint must hold (packed weights are checked apart)."""
     for tensor in spec.tensors():
         if "{e}" in tensor.name:
             seen = set()
             for e in range(tensor.experts):
+                if quant.packed(tensor, e):
+                    continue
                 src = sources(spec, tensor, ckpt, e)
                 if src.name not in seen:
                     seen.add(src.name)
                     yield src
-        else:
+        elif not quant.packed(tensor):
             yield sources(spec, tensor, ckpt)
 
 
+def _expected_packed(spec: ModelSpec, quant: Quantization) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(name, part, stored shape) of every packed tensor the checkpoint must hold."""
+    for tensor in spec.tensors():
+        experts = range(tensor.experts) if "{e}" in tensor.name else (None,)
+        for e in experts:
+            if quant.packed(tensor, e):
+                for part, name, shape in zip((BLOCKS, SCALES), quant.names(tensor, e), quant.stored_shapes(tensor.shape), strict=True):
+                    yield name, part, shape
+
+
 def check_checkpoint(spec: ModelSpec, ckpt: Checkpoint) -> None:
-    """Raise ShardwiseError naming the first tensor that is missing or mis-shaped (headers only)."""
-    for src in _expected(spec, ckpt):
+    """Raise ShardwiseError naming the first tensor that is missing, mis-shaped or (packed
+    MXFP4 tensors) not uint8 — headers only."""
+    quant = quantization(spec)
+    for src in _expected(spec, ckpt, quant):
         if src.name not in ckpt:
             raise ShardwiseError(f"checkpoint tensor '{src.name}' is missing (expected shape {_dims(src.shape)})")
         got = ckpt.shape(src.name)
         if got != src.shape:
             raise ShardwiseError(f"checkpoint tensor '{src.name}' has shape {_dims(got)}, expected {_dims(src.shape)}")
+    for name, part, shape in _expected_packed(spec, quant):
+        expected = f"uint8 {quant.dims(part)} = {_dims(shape)}"
+        if name not in ckpt:
+            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' is missing (expected {expected})")
+        dtype = ckpt.dtype(name)
+        if dtype != "uint8":
+            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' has dtype {dtype}, expected {expected}")
+        got = ckpt.shape(name)
+        if got != shape:
+            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' has shape {_dims(got)}, expected {expected}")
 
 
 # ---------------------------------------------------------------------------- reading a shard
 
 
+def read_packed(
+    plan: ParallelPlan, tp_rank: int, tensor: TensorSpec, ckpt: Checkpoint, quant: Quantization, part: str,
+    expert: int | None = None,
+) -> torch.Tensor:
+    """This rank's slice of one half (``part``: blocks or scales) of a packed weight, as stored.
+
+    Only the slice is read: the rank's experts along E (fused gpt-oss tensors) and its
+    tensor-parallel cut — whole rows, or whole blocks of the input dimension.
+    """
+    name = quant.names(tensor, expert)[0 if part == BLOCKS else 1]
+    index = [slice(None)] * len(ckpt.shape(name))
+    if tensor.expert_dim is not None:
+        experts = local_experts(tensor.num_experts, plan, tp_rank)
+        index[tensor.expert_dim] = slice(experts.start, experts.stop)
+    cut = shard_slice(tensor, plan, tp_rank)
+    if cut is not None:
+        start, stop = cut
+        if tensor.tp_dim == len(tensor.shape) - 1:  # input dimension: whole blocks / packed bytes
+            unit = quant.in_divisor(part)
+            start, stop = start // unit, stop // unit
+        index[tensor.tp_dim] = slice(start, stop)
+    return ckpt.read(name, tuple(index))
+
+
 def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: TensorSpec, ckpt: Checkpoint, expert: int | None = None) -> torch.Tensor:
-    """This rank's slice of ``tensor`` (one expert's for templates), in the (out, in) layout."""
+    """This rank's slice of ``tensor`` (one expert's for templates), in the (out, in) layout.
+
+    A weight stored packed (MXFP4) is read as its packed slices and decoded to float32.
+    """
+    quant = quantization(spec)
+    if quant.packed(tensor, expert):
+        blocks = read_packed(plan, tp_rank, tensor, ckpt, quant, BLOCKS, expert)
+        scales = read_packed(plan, tp_rank, tensor, ckpt, quant, SCALES, expert)
+        return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)
     src = sources(spec, tensor, ckpt, expert)
     cut = shard_slice(tensor, plan, tp_rank)
     if src.transposed:  # gpt-oss fused experts stored [E, in, out]
@@ -211,12 +289,17 @@ def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: Tensor
 def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -> None:
     """Fill every parameter of a ``ShardedCausalLM`` with its slice from checkpoint ``folder``."""
     spec, plan, tp_rank = model.spec, model.plan, model.shard.tp_rank
+    quant = quantization(spec)
     with Checkpoint(folder) as ckpt:
         if check:
             check_checkpoint(spec, ckpt)
         with torch.no_grad():
             for _, param in model.named_parameters():
-                data = read_shard(spec, plan, tp_rank, param.spec, ckpt, param.expert)
+                part = getattr(param, "packed", None)
+                if part is not None:
+                    data = read_packed(plan, tp_rank, param.spec, ckpt, quant, part, param.expert)
+                else:
+                    data = read_shard(spec, plan, tp_rank, param.spec, ckpt, param.expert)
                 if tuple(data.shape) != tuple(param.shape):
                     raise ShardwiseError(
                         f"checkpoint tensor '{param.spec.name}' gives a slice of shape {_dims(data.shape)} "

@@ -7,7 +7,8 @@ like transformers' and the loader fills parameters by name. Families: ``llama``,
 
 Per layer and token: one all-reduce after attention and one after the MLP / MoE block
 (routed + shared experts + expert biases in the same one), both through
-``layers.allreduce``.
+``layers.allreduce`` via the layer's ``reduce_attn`` / ``reduce_mlp`` hooks (which
+``runtime.trace`` replaces with timed versions while tracing).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from shardwise.runtime.layers import (
     rope_parameters,
 )
 from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE
+from shardwise.runtime.quantized import check_quantization, quantization
 from shardwise.spec.model import EMBEDDING, LM_HEAD, NORM, ROUTER, LayerSpec, ModelSpec, TensorSpec
 
 RUNTIME_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -71,11 +73,7 @@ def check_runnable(spec: ModelSpec, plan: ParallelPlan) -> None:
         )
     if plan.pp != 1:
         raise ShardwiseError(f"--pp {plan.pp}: the runtime does not run pipeline stages yet, use --pp 1")
-    if spec.quant_method is not None:
-        raise ShardwiseError(
-            f"checkpoint is quantized ({spec.quant_method}): the runtime loads unquantized "
-            "float32/bfloat16 checkpoints; dequantize it or drop quantization_config"
-        )
+    check_quantization(spec, plan)
     cfg = spec.config
     if plan.tp > 1 and spec.vocab_size % plan.tp:
         raise ShardwiseError(
@@ -145,15 +143,20 @@ class DecoderLayer(nn.Module):
         elif gpt_oss:
             assert spec.moe is not None
             alpha, limit = float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))
-            self.mlp = GptOssMoE(mlp, spec.moe, shard, dtype, alpha, limit)
+            self.mlp = GptOssMoE(mlp, spec.moe, shard, dtype, alpha, limit, quantization(spec))
         else:
             assert spec.moe is not None
             router_dtype = dt.of(mlp["gate.weight"])
-            self.mlp = SparseMoE(mlp, spec.moe, shard, dtype, router_dtype)
+            self.mlp = SparseMoE(mlp, spec.moe, shard, dtype, router_dtype, quantization(spec))
+
+        # The two all-reduce hooks: the plain ``layers.allreduce`` unless a ``trace.Tracer``
+        # swaps in timed versions (and puts these back when it detaches).
+        self.reduce_attn = allreduce
+        self.reduce_mlp = allreduce
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = x + allreduce(self.self_attn(self.input_layernorm(x), positions, rope).contiguous())
-        return h + allreduce(self.mlp(self.post_attention_layernorm(h)).contiguous())
+        h = x + self.reduce_attn(self.self_attn(self.input_layernorm(x), positions, rope).contiguous())
+        return h + self.reduce_mlp(self.mlp(self.post_attention_layernorm(h)).contiguous())
 
 
 class ShardedCausalLM(nn.Module):

@@ -13,6 +13,11 @@ Routing, as in transformers:
   group scores the sum of its two best); weights are the un-biased scores, optionally
   renormalised, times ``routed_scaling_factor``. Computed in float32.
 - ``topk_softmax`` (gpt-oss): top-k on the router logits (with bias), softmax over the k.
+
+MXFP4 checkpoints (``runtime.quantized``): routed-expert weights stay packed (uint8
+blocks + E8M0 scales, 4.25 bits per weight) and each picked expert's weights are decoded
+to the activation dtype for that one matmul (``runtime.mxfp4.mxfp4_matmul``), so nothing
+dequantized outlives the call.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.plan import local_experts
+from shardwise.quant.layouts import BYTES_PER_BLOCK
 from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, shard_param
+from shardwise.runtime.mxfp4 import mxfp4_matmul
+from shardwise.runtime.quantized import BLOCKS, NONE, SCALES, Quantization, packed_param
 from shardwise.spec.model import MoESpec, TensorSpec
 
 
@@ -39,19 +47,38 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ExpertLinear(nn.Module):
+    """One expert projection ``x Wᵀ``: a float ``weight``, or MXFP4 ``weight_packed`` [out, in/2]
+    + ``weight_scale`` [out, in/32] (compressed-tensors names) decoded per call."""
+
+    def __init__(self, tensor: TensorSpec, e: int, shard: Shard, dtype: torch.dtype, quant: Quantization):
+        super().__init__()
+        self.packed = quant.packed(tensor, e)
+        if self.packed:
+            local = shard.shape(tensor)
+            self.weight_packed = packed_param(tensor, local, BLOCKS, quant, expert=e)
+            self.weight_scale = packed_param(tensor, local, SCALES, quant, expert=e)
+        else:
+            self.weight = shard_param(tensor, shard, dtype, expert=e)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            blocks = self.weight_packed.view(self.weight_scale.shape[0], self.weight_scale.shape[1], BYTES_PER_BLOCK)
+            return mxfp4_matmul(x, blocks, self.weight_scale)
+        return F.linear(x, self.weight)
+
+
 class Expert(nn.Module):
     """One routed SwiGLU expert (this rank's slice of it when experts are tensor-split)."""
 
-    def __init__(self, tensors: dict[str, TensorSpec], e: int, shard: Shard, dtype: torch.dtype):
+    def __init__(self, tensors: dict[str, TensorSpec], e: int, shard: Shard, dtype: torch.dtype,
+                 quant: Quantization = NONE):
         super().__init__()
         for name in ("gate_proj", "up_proj", "down_proj"):
-            layer = nn.Module()
-            layer.weight = shard_param(tensors[f"{name}.weight"], shard, dtype, expert=e)
-            setattr(self, name, layer)
+            setattr(self, name, ExpertLinear(tensors[f"{name}.weight"], e, shard, dtype, quant))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)
-        return F.linear(h, self.down_proj.weight)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -110,13 +137,14 @@ class SparseMoE(nn.Module):
     """
 
     def __init__(
-        self, tensors: dict[str, TensorSpec], moe: MoESpec, shard: Shard, dtype: torch.dtype, router_dtype: torch.dtype
+        self, tensors: dict[str, TensorSpec], moe: MoESpec, shard: Shard, dtype: torch.dtype, router_dtype: torch.dtype,
+        quant: Quantization = NONE,
     ):
         super().__init__()
         self.gate = Router(tensors, "gate", moe, shard, router_dtype)
         templates = {k.removeprefix("experts.{e}."): v for k, v in tensors.items() if k.startswith("experts.{e}.")}
         self.local = local_experts(moe.num_experts, shard.plan, shard.tp_rank)
-        self.experts = nn.ModuleDict({str(e): Expert(templates, e, shard, dtype) for e in self.local})
+        self.experts = nn.ModuleDict({str(e): Expert(templates, e, shard, dtype, quant) for e in self.local})
         shared = {k.removeprefix("shared_experts."): v for k, v in tensors.items() if k.startswith("shared_experts.")}
         self.shared_experts = DenseMLP(shared, shard, dtype) if shared else None
 
@@ -140,27 +168,42 @@ class FusedExperts(nn.Module):
     gate/up rows are interleaved (gate_j, up_j); the activation is the clamped SwiGLU
     ``(clamp(up, ±limit) + 1) · g · sigmoid(α g)`` with ``g = min(gate, limit)``. The down
     bias is added by the first rank of each expert's tensor-parallel group only.
+
+    From an MXFP4 checkpoint the projections are ``gate_up_proj_blocks`` [E_local, out,
+    in/32, 16] + ``gate_up_proj_scales`` [E_local, out, in/32] (likewise ``down_proj_*``),
+    the gpt-oss names; biases stay float.
     """
 
-    def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype, alpha: float, limit: float, first: int):
+    def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype, alpha: float, limit: float,
+                 first: int, quant: Quantization = NONE):
         super().__init__()
-        self.gate_up_proj = shard_param(tensors["gate_up_proj"], shard, dtype)
-        self.gate_up_proj_bias = shard_param(tensors["gate_up_proj_bias"], shard, dtype)
-        self.down_proj = shard_param(tensors["down_proj"], shard, dtype)
-        self.down_proj_bias = shard_param(tensors["down_proj_bias"], shard, dtype)
+        for name in ("gate_up_proj", "down_proj"):
+            tensor = tensors[name]
+            if quant.packed(tensor):
+                local = shard.shape(tensor)
+                setattr(self, f"{name}_blocks", packed_param(tensor, local, BLOCKS, quant))
+                setattr(self, f"{name}_scales", packed_param(tensor, local, SCALES, quant))
+            else:
+                setattr(self, name, shard_param(tensor, shard, dtype))
+            setattr(self, f"{name}_bias", shard_param(tensors[f"{name}_bias"], shard, dtype))
+        self.count = shard.shape(tensors["gate_up_proj"])[0]
         self.alpha, self.limit, self.first = alpha, limit, first
         self.add_down_bias = shard.etp_rank == 0
 
+    def _project(self, name: str, x: torch.Tensor, i: int, bias: torch.Tensor | None) -> torch.Tensor:
+        if name in self._parameters:
+            return F.linear(x, self._parameters[name][i], bias)
+        return mxfp4_matmul(x, self._parameters[f"{name}_blocks"][i], self._parameters[f"{name}_scales"][i], bias)
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        local = range(self.first, self.first + self.gate_up_proj.shape[0])
-        for e, token, slot in _dispatch(index, local):
+        for e, token, slot in _dispatch(index, range(self.first, self.first + self.count)):
             i = e - self.first
-            gate_up = F.linear(x[token], self.gate_up_proj[i], self.gate_up_proj_bias[i])
+            gate_up = self._project("gate_up_proj", x[token], i, self.gate_up_proj_bias[i])
             gate = gate_up[..., ::2].clamp(max=self.limit)
             up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
             h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            y = F.linear(h, self.down_proj[i], self.down_proj_bias[i] if self.add_down_bias else None)
+            y = self._project("down_proj", h, i, self.down_proj_bias[i] if self.add_down_bias else None)
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
@@ -168,12 +211,13 @@ class FusedExperts(nn.Module):
 class GptOssMoE(nn.Module):
     """gpt-oss MLP: router (with bias) over fused experts."""
 
-    def __init__(self, tensors: dict[str, TensorSpec], moe: MoESpec, shard: Shard, dtype: torch.dtype, alpha: float, limit: float):
+    def __init__(self, tensors: dict[str, TensorSpec], moe: MoESpec, shard: Shard, dtype: torch.dtype, alpha: float,
+                 limit: float, quant: Quantization = NONE):
         super().__init__()
         self.router = Router(tensors, "router", moe, shard, dtype)
         fused = {k.removeprefix("experts."): v for k, v in tensors.items() if k.startswith("experts.")}
         first = local_experts(moe.num_experts, shard.plan, shard.tp_rank).start
-        self.experts = FusedExperts(fused, shard, dtype, alpha, limit, first)
+        self.experts = FusedExperts(fused, shard, dtype, alpha, limit, first, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -4,14 +4,17 @@ Weights stay in memory as uint8 blocks [out, in/32, 16] (4 bits per element) plu
 uint8 E8M0 scales [out, in/32]: 4.25 bits per weight. Each call decodes them to the
 activation dtype and runs one dense matmul, so nothing dequantized is kept.
 
-Decoding uses two lookup tables gathered with `F.embedding` (the fastest eager CPU
-variant measured; plain advanced indexing and `torch.ldexp` were 3–6× slower):
-byte → its two E2M1 values (low nibble = even element) and scale byte →
-2^(byte − 127) (NaN for 0xFF). The product of an E2M1 value and a power of two is
-exact in float32 and bfloat16 (or overflows to inf at ≥ 2^128, like
+Decoding gathers from two 256-entry lookup tables with `torch.index_select`: byte →
+its two E2M1 values (low nibble = even element) stored as *one* integer (the bit
+pattern of two float32 values as an int64, or of two bfloat16 values as an int32), so
+one gather writes both elements; then scale byte → 2^(byte − 127) (NaN for 0xFF)
+multiplied in place. On one CPU thread this decodes a 2880×2880 weight 2–4× faster
+than gathering float pairs with `F.embedding` (see benchmarks/bench_mxfp4.py). The
+product of an E2M1 value and a power of two is exact in float32 and bfloat16 (or
+overflows to inf at ≥ 2^128, like
 `transformers.integrations.mxfp4.convert_moe_packed_tensors`), so the result is
 bit-identical to `shardwise.quant.mxfp4.decode`. float16 cannot hold the scales, so
-it is computed in float32 and rounded once.
+it is computed in float32 and rounded once; float64 gathers float pairs.
 """
 
 import torch
@@ -22,18 +25,26 @@ from shardwise.quant.mxfp4 import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN
 
 _BYTES_PER_BLOCK = BLOCK_SIZE // 2
 _LUTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+_PAIR_INT = {torch.float32: torch.int64, torch.bfloat16: torch.int32}
+"""Integer type holding the bit patterns of two values of each float type."""
 
 
 def _luts(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair table [256, 2], scale table [256, 1]) in dtype on device, built once."""
+    """(pair table [256], or [256, 2] for float64; scale table [256]) on device, built once.
+
+    The pair table holds byte b's two values (low nibble first) as one integer for
+    float32 / bfloat16, so a gather writes both.
+    """
     key = (device, dtype)
     if key not in _LUTS:
         values = torch.from_numpy(E2M1_VALUES).double()
         codes = torch.arange(256)
-        pairs = torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=-1)
+        pairs = torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=-1).to(dtype).contiguous()
+        if dtype in _PAIR_INT:
+            pairs = pairs.view(_PAIR_INT[dtype]).reshape(256)
         scales = torch.ldexp(torch.ones(256, dtype=torch.float64), codes - E8M0_BIAS)
         scales[E8M0_NAN] = float("nan")
-        _LUTS[key] = (pairs.to(device=device, dtype=dtype), scales.to(device=device, dtype=dtype)[:, None])
+        _LUTS[key] = (pairs.to(device), scales.to(device=device, dtype=dtype))
     return _LUTS[key]
 
 
@@ -62,9 +73,9 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
         )
     work = torch.float32 if dtype == torch.float16 else dtype
     pairs, scale_lut = _luts(blocks.device, work)
-    values = F.embedding(blocks.int(), pairs).reshape(*blocks.shape[:-1], BLOCK_SIZE)
-    values = values * F.embedding(scales.int(), scale_lut)
-    return values.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK_SIZE).to(dtype)
+    values = torch.index_select(pairs, 0, blocks.reshape(-1).int()).view(work)
+    values = values.view(-1, BLOCK_SIZE).mul_(torch.index_select(scale_lut, 0, scales.reshape(-1).int())[:, None])
+    return values.view(*blocks.shape[:-2], blocks.shape[-2] * BLOCK_SIZE).to(dtype)
 
 
 def mxfp4_matmul(

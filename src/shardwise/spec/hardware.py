@@ -162,13 +162,16 @@ class Measured(BaseModel):
     """Figures measured on a cluster (by ``shardwise probe``) that replace catalog ones.
 
     ``memory_bandwidth_gbps`` GB/s, ``link_bandwidth_gbps`` GB/s per direction,
-    ``link_latency_s`` seconds per message; ``source`` says when and how.
+    ``link_latency_s`` seconds per message, ``memory_gb`` GB, ``tflops_bf16`` dense
+    TFLOPS; ``source`` says when and how.
     """
 
     model_config = _FROZEN
 
     source: str = Field(min_length=1)
+    memory_gb: float | None = Field(default=None, gt=0)
     memory_bandwidth_gbps: float | None = Field(default=None, gt=0)
+    tflops_bf16: float | None = Field(default=None, gt=0)
     link_bandwidth_gbps: float | None = Field(default=None, gt=0)
     link_latency_s: float | None = Field(default=None, ge=0)
 
@@ -270,7 +273,12 @@ def get_link(name: str) -> Link:
 def _measured_box(box: Box, measured: Measured | None) -> Box:
     if measured is None:
         return box
-    return _updated(box, {"memory_bandwidth_gbps": measured.memory_bandwidth_gbps}, measured)
+    updates = {
+        "memory_gb": measured.memory_gb,
+        "memory_bandwidth_gbps": measured.memory_bandwidth_gbps,
+        "tflops_bf16": measured.tflops_bf16,
+    }
+    return _updated(box, updates, measured)
 
 
 def _measured_link(link: Link, measured: Measured | None) -> Link:

@@ -230,6 +230,16 @@ class ModelSpec:
         return out
 
     @cached_property
+    def layer_structure(self) -> tuple[int, ...]:
+        """An id per layer; layers with equal ids have identical tensor shapes, groups and splits."""
+        ids: dict[tuple, int] = {}
+        out = []
+        for layer in self.layers:
+            key = tuple((t.shape, t.group, t.tp_dim, t.tp_unit, t.experts, t.expert_dim) for t in layer.tensors)
+            out.append(ids.setdefault(key, len(ids)))
+        return tuple(out)
+
+    @cached_property
     def params_by_group(self) -> dict[str, int]:
         """Total parameters per tensor group (elements)."""
         counts = dict.fromkeys(TENSOR_GROUPS, 0)

@@ -1,0 +1,439 @@
+"""Microbenchmarks that measure a cluster and turn it into ``Measured`` figures.
+
+``probe_rank`` runs inside every rank of a process group (``launch_local`` on one host,
+``torchrun`` across hosts) and measures, with the runtime's own code paths:
+
+- every all-reduce algorithm of ``shardwise.runtime.comm`` over message sizes that
+  double from ``min_bytes`` to ``max_bytes``, printed like nccl-tests: time, algbw =
+  bytes / time and busbw = algbw · 2(p−1)/p (nccl-tests' all-reduce bus bandwidth,
+  comparable across rank counts);
+- point-to-point ping-pong over each link (half the round trip), from which
+  ``fit_alpha_beta`` fits the link's α (seconds per message) and β (bytes per second);
+- a STREAM-like triad ``a = b + s·c`` (3 words moved per element) for the memory
+  bandwidth one rank sees, all ranks at once, since they share the memory bus;
+- dense matmul throughput per dtype (fp32, bf16) in TFLOPS;
+- the host cost of one eager torch op (``op_overhead_s``): a small decoder-like block
+  timed and divided by the aten ops it dispatches (counted by ``count_ops``); at batch 1
+  on small models this, not bandwidth, sets the speed of an eager runtime.
+
+``summarize`` (parent side, numpy only) fits α/β per link and for the ring, derives the
+per-call software overhead of each algorithm and builds the probe document; the cluster
+file it describes is what ``shardwise plan --cluster`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardwise.errors import ShardwiseError
+
+PROBE_ALGORITHMS = ("ring", "rd", "oneshot", "two-level", "builtin")
+"""All-reduce algorithms the probe times (names of ``runtime.comm.ALLREDUCE_ALGORITHMS``)."""
+
+OVERHEAD_MAX_BYTES = 16384
+"""Sizes up to this are latency-bound: the per-call overhead is read from them."""
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """What to measure; picklable, the same on every rank.
+
+    Sizes are bytes, ``iters`` timed repetitions per point (fewer above 1 MiB so the
+    default run stays short), ``triad_bytes`` the size of each triad array (keep it well
+    above the last-level cache), ``matmul_size`` the square matrix side.
+    """
+
+    min_bytes: int = 8
+    max_bytes: int = 1 << 20
+    iters: int = 20
+    warmup: int = 3
+    algorithms: tuple[str, ...] = PROBE_ALGORITHMS
+    triad_bytes: int = 64 << 20
+    matmul_size: int = 512
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_bytes <= self.max_bytes:
+            raise ShardwiseError(
+                f"--min-bytes {self.min_bytes} and --max-bytes {self.max_bytes}: need 1 <= min <= max"
+            )
+        if self.iters < 1 or self.warmup < 0:
+            raise ShardwiseError(f"--iters must be >= 1 (got {self.iters}) and warmup >= 0 (got {self.warmup})")
+        unknown = [a for a in self.algorithms if a not in PROBE_ALGORITHMS]
+        if unknown:
+            raise ShardwiseError(f"unknown all-reduce algorithm '{unknown[0]}': use {', '.join(PROBE_ALGORITHMS)}")
+        if self.triad_bytes < 4096 or self.matmul_size < 16 or self.threads < 1:
+            raise ShardwiseError("triad arrays need >= 4 KiB, matmuls >= 16 wide, and threads >= 1")
+
+    def sizes(self) -> list[int]:
+        """Message sizes in bytes: ``min_bytes`` doubling up to ``max_bytes``."""
+        return message_sizes(self.min_bytes, self.max_bytes)
+
+    def iters_for(self, n_bytes: int) -> int:
+        """Timed repetitions for one message size (scaled down above 1 MiB)."""
+        return self.iters if n_bytes <= 1 << 20 else max(2, self.iters * (1 << 20) // n_bytes)
+
+
+def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    """``min_bytes``, 2·``min_bytes``, … up to ``max_bytes`` (inclusive when on the grid)."""
+    sizes, n = [], min_bytes
+    while n <= max_bytes:
+        sizes.append(n)
+        n *= 2
+    return sizes
+
+
+def bus_bandwidth(algbw: float, p: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth: ``algbw · 2(p−1)/p`` (0 for one rank)."""
+    return algbw * 2 * (p - 1) / p
+
+
+def fit_alpha_beta(
+    n_bytes: Sequence[float], seconds: Sequence[float], messages: float = 1.0, volume: float = 1.0
+) -> tuple[float, float]:
+    """Least-squares (α s, β bytes/s) of ``t = messages·α + volume·n/β``.
+
+    ``messages`` and ``volume`` adapt the fit to an algorithm: a point-to-point message
+    is (1, 1), a ring all-reduce over p ranks (2(p−1), 2(p−1)/p). Each point's residual is
+    relative to its time, so the latency-bound small sizes fix α as firmly as the large
+    ones fix β. α is clipped at 0; a β that comes out non-positive (times that do not
+    grow with size) is an error naming the points.
+    """
+    n = np.asarray(n_bytes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if n.shape != t.shape or n.size < 2 or len(set(n.tolist())) < 2:
+        raise ShardwiseError("fitting alpha/beta needs at least 2 points with different message sizes")
+    if np.any(t <= 0):
+        raise ShardwiseError("fitting alpha/beta needs positive times")
+    design = np.stack([np.full_like(n, messages), volume * n], axis=1) / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if inv_beta <= 0:
+        raise ShardwiseError(
+            f"times do not grow with message size ({t.min():.3g}-{t.max():.3g} s over "
+            f"{int(n.min())}-{int(n.max())} B): probe larger sizes with --max-bytes"
+        )
+    alpha = max(float(alpha), 0.0)
+    if alpha == 0.0:  # refit β alone with α pinned at its bound
+        inv_beta = float(np.sum(volume * n * t / t**2) / np.sum((volume * n) ** 2 / t**2))
+    return alpha, 1.0 / float(inv_beta)
+
+
+def ring_alpha_beta(n_bytes: Sequence[float], seconds: Sequence[float], p: int) -> tuple[float, float]:
+    """(α, β) of the link from ring all-reduce points over ``p`` ranks (``fit_alpha_beta``)."""
+    if p < 2:
+        raise ShardwiseError("a ring fit needs at least 2 ranks")
+    return fit_alpha_beta(n_bytes, seconds, messages=2 * (p - 1), volume=2 * (p - 1) / p)
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    """Number of aten ops ``fn()`` dispatches (views and in-place ops included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Counter() as counter:
+        fn()
+    return counter.ops
+
+
+def _reference_block(width: int = 64, heads: int = 4, context: int = 16) -> Callable[[], Any]:
+    """A decoder-like block at batch 1 (norms, projections, rotary, attention over a short
+    cache, gated MLP, a top-k router): the op mix an eager decode step dispatches."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    w = {name: torch.randn(out, width, generator=g) * 0.05 for name, out in
+         (("q", width), ("k", width), ("v", width), ("o", width), ("gate", 2 * width), ("up", 2 * width),
+          ("router", 8))}
+    down = torch.randn(width, 2 * width, generator=g) * 0.05
+    cache_k = torch.randn(1, heads, context, width // heads, generator=g)
+    cache_v = torch.randn(1, heads, context, width // heads, generator=g)
+    cos, sin = torch.randn(width // heads // 2), torch.randn(width // heads // 2)
+    x0 = torch.randn(1, 1, width, generator=g)
+
+    def norm(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def rotate(x):
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    def block():
+        h = norm(x0)
+        q = F.linear(h, w["q"]).view(1, 1, heads, -1).transpose(1, 2)
+        k = F.linear(h, w["k"]).view(1, 1, heads, -1).transpose(1, 2)
+        v = F.linear(h, w["v"]).view(1, 1, heads, -1).transpose(1, 2)
+        q, k = rotate(q), rotate(k)
+        cache_k[:, :, -1:] = k
+        cache_v[:, :, -1:] = v
+        a = F.scaled_dot_product_attention(q, cache_k, cache_v)
+        x = x0 + F.linear(a.transpose(1, 2).reshape(1, 1, width), w["o"])
+        h = norm(x)
+        scores = F.linear(h, w["router"]).softmax(-1)
+        top, idx = scores.topk(2, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        mlp = F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), down)
+        return x + mlp * top[..., :1] + idx.sum().to(x.dtype) * 0
+
+    return block
+
+
+def measure_op_overhead(reps: int = 200) -> tuple[float, int]:
+    """(seconds per dispatched aten op, ops per block) of the reference block, eager."""
+    import torch
+
+    block = _reference_block()
+    with torch.no_grad():
+        ops = count_ops(block)
+        for _ in range(10):
+            block()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                block()
+            best = min(best, (time.perf_counter() - t0) / reps)
+    return best / ops, ops
+
+
+def measure_triad(n_bytes: int, reps: int = 5) -> float:
+    """STREAM triad ``a = b + 3·c`` over float32 arrays of ``n_bytes`` each: best GB/s
+    (3 arrays moved per pass: 2 read, 1 written)."""
+    import torch
+
+    n = n_bytes // 4
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    torch.add(b, c, alpha=3.0, out=a)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = min(best, time.perf_counter() - t0)
+    return 3 * n * 4 / best / 1e9
+
+
+def measure_matmul(size: int, dtype_name: str, reps: int = 3) -> float:
+    """Dense ``size``² matmul throughput in TFLOPS (2·size³ operations per product)."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    out = torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e12
+
+
+def _link_pairs(world: int, local_world: int, hosts: list[str]) -> list[tuple[int, int, str]]:
+    """(rank a, rank b, label) for each link to ping-pong: consecutive hosts' first ranks
+    (around the ring of hosts), and two ranks of the first host (the loopback link)."""
+    leaders = list(range(0, world, local_world))
+    pairs = []
+    if len(leaders) > 1:
+        ring = list(zip(leaders, leaders[1:] + leaders[:1]))[: len(leaders) if len(leaders) > 2 else 1]
+        pairs += [(a, b, f"{hosts[a]}<->{hosts[b]}") for a, b in ring]
+    if local_world > 1:
+        pairs.append((0, 1, "loopback"))
+    return pairs
+
+
+def probe_rank(rank: int, world: int, cfg: ProbeConfig, progress: Any = None) -> dict[str, Any]:
+    """Measure collectives, links, memory and compute on this rank; returns raw figures.
+
+    ``progress`` (rank 0 only uses it) receives ``(advance, label)`` pairs through its
+    ``put`` method (a multiprocessing queue from the launcher, or a local callback).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.runtime.comm import get_allreduce
+
+    torch.set_num_threads(cfg.threads)
+
+    def tick(label: str) -> None:
+        if progress is not None and rank == 0:
+            progress.put((1, label))
+
+    hosts = [socket.gethostname()]
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world > 1:
+        hosts = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname())
+    collectives: dict[str, list[tuple[int, float]]] = {}
+    links: list[dict[str, Any]] = []
+    if world > 1:
+        for name in cfg.algorithms:
+            if name == "two-level" and world % local_world:
+                continue
+            fn = get_allreduce(name)
+            points = []
+            for n in cfg.sizes():
+                buf = torch.zeros(max(1, n // 4))
+                for _ in range(cfg.warmup):
+                    fn(buf)
+                iters = cfg.iters_for(n)
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn(buf)
+                elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                points.append((n, float(elapsed)))
+                tick(f"{name} {n} B")
+            collectives[name] = points
+        for a, b, label in _link_pairs(world, local_world, hosts):
+            points = []
+            for n in cfg.sizes():
+                buf = torch.zeros(max(1, n // 4))
+                iters = cfg.iters_for(n)
+                dist.barrier()
+                elapsed = torch.zeros(1, dtype=torch.float64)
+                if rank in (a, b):
+                    peer = b if rank == a else a
+                    for i in range(cfg.warmup + iters):
+                        if i == cfg.warmup:
+                            t0 = time.perf_counter()
+                        if rank == a:
+                            dist.send(buf, peer)
+                            dist.recv(buf, peer)
+                        else:
+                            dist.recv(buf, peer)
+                            dist.send(buf, peer)
+                    elapsed[0] = (time.perf_counter() - t0) / iters / 2
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                points.append((n, float(elapsed)))
+                tick(f"p2p {label} {n} B")
+            links.append({"name": label, "ranks": [a, b], "points": points})
+        dist.barrier()
+    triad = measure_triad(cfg.triad_bytes)
+    tick("memory triad")
+    tflops = {d: measure_matmul(cfg.matmul_size, d) for d in cfg.dtypes}
+    tick("matmul")
+    op_s, block_ops = measure_op_overhead()
+    tick("eager op overhead")
+    memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "rank": rank, "host": hosts[rank], "local_world_size": local_world, "hosts": hosts,
+        "collectives": collectives, "links": links, "triad_gbps": triad, "tflops": tflops,
+        "op_overhead_s": op_s, "reference_block_ops": block_ops, "host_memory_bytes": memory_bytes,
+        "threads": cfg.threads,
+    }
+
+
+def probe_steps(cfg: ProbeConfig, world: int, local_world: int) -> int:
+    """How many progress ticks ``probe_rank`` reports for this world (for a progress bar)."""
+    if world < 2:
+        return 3
+    algs = [a for a in cfg.algorithms if a != "two-level" or world % local_world == 0]
+    hosts = [f"h{i}" for i in range(world)]
+    pairs = _link_pairs(world, local_world, hosts)
+    return len(cfg.sizes()) * (len(algs) + len(pairs)) + 3
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _table(points: list[tuple[int, float]], p: int) -> list[dict[str, float]]:
+    rows = []
+    for n, t in points:
+        algbw = n / t / 1e9
+        rows.append({"bytes": n, "time_s": t, "algbw_gbps": algbw, "busbw_gbps": bus_bandwidth(algbw, p)})
+    return rows
+
+
+def _model_seconds(name: str, n: float, p: int, local: int, alpha: float, beta: float) -> float:
+    """α-β time of the runtime's algorithm ``name`` (two-level on one host: reduce to the
+    leader and broadcast back, 2 messages each carrying (local−1)·n bytes to the leader)."""
+    from shardwise.perf import collectives as cost
+
+    if name == "ring" or name == "builtin":
+        return cost.ring_allreduce_s(n, p, alpha, beta)
+    if name == "rd":
+        return cost.recursive_doubling_allreduce_s(n, p, alpha, beta)
+    if name == "oneshot":
+        return cost.one_shot_allreduce_s(n, p, alpha, beta)
+    hosts = p // local
+    inter = cost.ring_allreduce_s(n, hosts, alpha, beta) if hosts > 1 else 0.0
+    return 2 * (alpha + (local - 1) * n / beta) + inter
+
+
+def summarize(reports: list[dict[str, Any]], cfg: ProbeConfig, backend: str) -> dict[str, Any]:
+    """The probe document from every rank's raw figures: nccl-tests-style tables, α/β fits
+    per link and for the ring, per-call software overhead per algorithm, memory bandwidth
+    (the slowest rank's triad), matmul TFLOPS and seconds per eager op (the slowest rank)."""
+    first = reports[0]
+    p = len(reports)
+    local = first["local_world_size"]
+    doc: dict[str, Any] = {
+        "kind": "probe", "world_size": p, "hosts": sorted(set(first["hosts"])), "backend": backend,
+        "threads_per_rank": first["threads"], "iters": cfg.iters,
+        "collectives": {name: _table(points, p) for name, points in first["collectives"].items()},
+        "links": [], "ring_fit": None, "collective_overhead_s": {},
+    }
+    for link in first["links"]:
+        n, t = zip(*link["points"])
+        alpha, beta = fit_alpha_beta(n, t)
+        doc["links"].append({"name": link["name"], "ranks": link["ranks"], "alpha_s": alpha, "beta_gbps": beta / 1e9,
+                             "points": [{"bytes": a, "time_s": b} for a, b in link["points"]]})
+    ring = first["collectives"].get("ring")
+    if ring and len(ring) >= 2:
+        n, t = zip(*ring)
+        alpha, beta = ring_alpha_beta(n, t, p)
+        doc["ring_fit"] = {"alpha_s": alpha, "beta_gbps": beta / 1e9}
+        for name, points in first["collectives"].items():
+            small = [t - _model_seconds(name, n, p, local, alpha, beta) for n, t in points if n <= OVERHEAD_MAX_BYTES]
+            doc["collective_overhead_s"][name] = max(0.0, float(np.median(small))) if small else 0.0
+    doc["memory_bandwidth_gbps"] = min(r["triad_gbps"] for r in reports)
+    doc["memory_bandwidth_gbps_per_rank"] = [r["triad_gbps"] for r in reports]
+    doc["tflops"] = {d: min(r["tflops"][d] for r in reports) for d in first["tflops"]}
+    doc["op_overhead_s"] = max(r["op_overhead_s"] for r in reports)
+    doc["reference_block_ops"] = first["reference_block_ops"]
+    doc["memory_gb_per_rank"] = first["host_memory_bytes"] / local / 1e9
+    return doc
+
+
+def measured_of(doc: dict[str, Any], source: str):
+    """``Measured`` figures for a cluster file from a probe document."""
+    from shardwise.spec.hardware import Measured
+
+    ring = doc.get("ring_fit")
+    return Measured(
+        source=source,
+        memory_gb=round(doc["memory_gb_per_rank"], 3),
+        memory_bandwidth_gbps=round(doc["memory_bandwidth_gbps"], 3),
+        tflops_bf16=round(doc["tflops"]["bf16"], 5) if "bf16" in doc["tflops"] else None,
+        link_bandwidth_gbps=round(ring["beta_gbps"], 4) if ring else None,
+        link_latency_s=float(f"{ring['alpha_s']:.4g}") if ring else None,
+    )
+
+
+def cluster_of(doc: dict[str, Any], box: str, link: str, source: str):
+    """A ``ClusterSpec`` of ``world_size`` boxes (one per rank) with the probe's figures."""
+    from shardwise.spec.hardware import ClusterSpec, apply_measured, get_box, get_link
+
+    measured = measured_of(doc, source)
+    box_obj, link_obj = apply_measured(get_box(box), get_link(link), measured)
+    return ClusterSpec(box=box_obj, boxes=doc["world_size"], link=link_obj, measured=measured)

@@ -1,0 +1,166 @@
+"""The report's inputs: plan, sweep, bench and trace JSON documents, told apart by their shape.
+
+- **plan**: the object ``shardwise plan --json`` prints (it has ``decode.waterfall``).
+- **sweep**: the list ``shardwise sweep --json`` prints (rows with ``model``, ``box``, ``boxes``,
+  ``link``, ``tp``, ``ep``, ``pp``, ``tok_per_s``, ``usd``, ``watts``, ``bottleneck``).
+- **bench** / **trace**: what ``shardwise bench`` and the runtime's ``--trace`` write, one
+  schema (``RunDocument`` below)::
+
+    {
+      "kind": "trace",                 # or "bench"
+      "model": "kimi-k3",              # the model's catalog key / ModelSpec name
+      "predicted_tok_per_s": 6.8,      # the planner's decode tok/s for this run's configuration
+      "measured_tok_per_s": 5.9,       # decode tok/s measured on the run
+      "source": "spark-01..16, 2026-03-01",          # optional: where and when
+      "box": "dgx-spark", "boxes": 16, "link": "100g-roce", "tp": 16, "ep": 16, "pp": 1,  # optional
+      "context_tokens": 4096,          # optional
+      "layers": [                      # one entry per (layer, rank) of one decode step;
+        {"layer": 0, "kind": "attention", "rank": 0,        # may be empty for a bench
+         "compute_s": 2.1e-4, "comm_s": 6.0e-5, "wait_s": 1.2e-5,
+         "predicted_compute_s": 1.9e-4, "predicted_comm_s": 5.0e-5}
+      ]
+    }
+
+  ``kind`` is free text for the layer's part (attention, moe, mlp, ...); seconds are one
+  decode step's. A trace must list layers; a bench may leave them out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shardwise.errors import ShardwiseError
+
+SWEEP_ROW_KEYS = ("model", "box", "boxes", "link", "tp", "ep", "pp", "tok_per_s", "usd", "watts", "bottleneck")
+
+
+class LayerTiming(BaseModel):
+    """One layer on one rank in one decode step (seconds)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layer: int = Field(ge=0)
+    kind: str
+    rank: int = Field(ge=0)
+    compute_s: float = Field(ge=0)
+    comm_s: float = Field(ge=0)
+    wait_s: float = Field(ge=0)
+    predicted_compute_s: float = Field(ge=0)
+    predicted_comm_s: float = Field(ge=0)
+
+
+class RunDocument(BaseModel):
+    """A bench or trace document (schema in the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["bench", "trace"]
+    model: str = Field(min_length=1)
+    predicted_tok_per_s: float = Field(gt=0)
+    measured_tok_per_s: float = Field(gt=0)
+    source: str = ""
+    box: str | None = None
+    boxes: int | None = Field(default=None, ge=1)
+    link: str | None = None
+    tp: int | None = Field(default=None, ge=1)
+    ep: int | None = Field(default=None, ge=1)
+    pp: int | None = Field(default=None, ge=1)
+    context_tokens: int | None = Field(default=None, ge=1)
+    layers: tuple[LayerTiming, ...] = ()
+
+    @model_validator(mode="after")
+    def _trace_has_layers(self):
+        if self.kind == "trace" and not self.layers:
+            raise ValueError("a trace needs at least one entry in layers")
+        seen = set()
+        for entry in self.layers:
+            key = (entry.layer, entry.rank)
+            if key in seen:
+                raise ValueError(f"layer {entry.layer} rank {entry.rank} is listed twice")
+            seen.add(key)
+        return self
+
+
+@dataclass
+class Inputs:
+    """What the report draws from; each kind at most once, with the file it came from."""
+
+    plan: dict | None = None
+    sweep: list[dict] | None = None
+    bench: RunDocument | None = None
+    trace: RunDocument | None = None
+    sources: dict[str, str] | None = None
+
+    @property
+    def run(self) -> RunDocument | None:
+        """The measurement to compare against: the bench if given, else the trace."""
+        return self.bench or self.trace
+
+
+def classify(doc, where: str):
+    """(kind, validated document) for one parsed JSON document."""
+    if isinstance(doc, list):
+        if not doc:
+            raise ShardwiseError(f"{where}: the sweep is an empty list; run `shardwise sweep --json` with looser constraints")
+        for i, row in enumerate(doc):
+            missing = [k for k in SWEEP_ROW_KEYS if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise ShardwiseError(f"{where}: sweep row {i} lacks {', '.join(missing)}; write it with `shardwise sweep --json`")
+        return "sweep", doc
+    if isinstance(doc, dict) and isinstance(doc.get("decode"), dict) and "waterfall" in doc["decode"]:
+        for key in ("model", "cluster", "plan", "memory", "prefill", "power", "cost"):
+            if key not in doc:
+                raise ShardwiseError(f"{where}: plan document lacks '{key}'; write it with `shardwise plan --json`")
+        return "plan", doc
+    if isinstance(doc, dict) and doc.get("kind") in ("bench", "trace"):
+        try:
+            run = RunDocument(**doc)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise ShardwiseError(f"{where}: {doc['kind']} document: {loc + ': ' if loc else ''}{err['msg'].removeprefix('Value error, ')}") from None
+        return run.kind, run
+    raise ShardwiseError(
+        f"{where}: not a plan (decode.waterfall), sweep (list of rows) or bench/trace (kind: bench|trace) document"
+    )
+
+
+def load_inputs(paths: list[str | Path]) -> Inputs:
+    """Read and classify the files; refuse two of a kind and a run whose model is not the plan's."""
+    found = Inputs(sources={})
+    for path in paths:
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ShardwiseError(f"{path}: cannot read ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise ShardwiseError(f"{path}: not valid JSON (line {exc.lineno}): {exc.msg}") from None
+        kind, value = classify(doc, str(path))
+        if getattr(found, kind) is not None:
+            raise ShardwiseError(f"two {kind} documents given ({found.sources[kind]}, {path}): pass one")
+        setattr(found, kind, value)
+        found.sources[kind] = str(path)
+    check_models(found)
+    return found
+
+
+def check_models(inputs: Inputs) -> None:
+    """A bench or trace must measure the plan's model (and each other's)."""
+    named = []
+    if inputs.plan is not None:
+        named.append(("plan", inputs.plan["model"]["name"]))
+    for kind in ("bench", "trace"):
+        run = getattr(inputs, kind)
+        if run is not None:
+            named.append((kind, run.model))
+    for (k1, m1), (k2, m2) in zip(named, named[1:]):
+        if m1 != m2:
+            s1 = (inputs.sources or {}).get(k1, k1)
+            s2 = (inputs.sources or {}).get(k2, k2)
+            raise ShardwiseError(f"the {k2} ({s2}) is for model '{m2}' but the {k1} ({s1}) is for '{m1}': pass documents of one model")

@@ -1,0 +1,165 @@
+"""MXFP4 checkpoints in the runtime: which weights are packed on disk, under which names
+and shapes, and the packed parameters a rank holds.
+
+Two layouts, detected from ``config.json``'s ``quantization_config``
+(``shardwise.quant.layouts.detect_layout``):
+
+- gpt-oss (``quant_method: mxfp4``): the fused expert projections are stored as
+  ``{name}_blocks`` uint8 [E, out, in/32, 16] and ``{name}_scales`` uint8 [E, out, in/32]
+  (e.g. ``model.layers.0.mlp.experts.gate_up_proj_blocks``, gate/up rows interleaved as
+  in the float tensor); every module listed in ``modules_to_not_convert`` stays float.
+- compressed-tensors ``mxfp4-pack-quantized``: each quantized Linear ``{module}`` stores
+  ``{module}.weight_packed`` uint8 [out, in/2] and ``{module}.weight_scale`` uint8
+  [out, in/32]; a Linear is quantized when a config group's ``targets`` hits it
+  ("Linear", an exact name or ``re:`` regex) and no ``ignore`` entry does.
+
+Routed-expert weights stay packed in memory (4.25 bits per weight) and are decoded per
+use by ``runtime.mxfp4.mxfp4_matmul``; other quantized Linears (attention, dense MLP,
+shared experts of a fully quantized compressed-tensors checkpoint) are decoded once at
+load into the run dtype. A rank reads only its slices of the packed tensors: its experts
+along E and, under expert tensor parallelism, its rows (output split) or its whole blocks
+(input split; the slice must then be a multiple of 32 elements).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+from shardwise.plan import ParallelPlan, shard_shape
+from shardwise.quant.layouts import (
+    BYTES_PER_BLOCK,
+    LAYOUT_COMPRESSED_TENSORS,
+    LAYOUT_GPT_OSS,
+    LAYOUT_NONE,
+    compressed_tensors_names,
+    detect_layout,
+    gpt_oss_tensor_names,
+)
+from shardwise.quant.mxfp4 import BLOCK_SIZE
+from shardwise.spec.model import MATMUL_GROUPS, ModelSpec, TensorSpec
+
+BLOCKS, SCALES = "blocks", "scales"
+"""The two halves of a packed weight (``param.packed`` of a packed parameter)."""
+
+_FUSED_EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _matches(rule: str, module: str) -> bool:
+    """compressed-tensors target / ignore rule: ``re:`` regex (re.match) or an exact name."""
+    if rule.startswith("re:"):
+        return re.match(rule[3:], module) is not None
+    return rule == module
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a checkpoint stores its MXFP4 weights (``layout`` is one of ``quant.layouts.LAYOUTS``)."""
+
+    layout: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantized(self) -> bool:
+        """True for an MXFP4 checkpoint."""
+        return self.layout != LAYOUT_NONE
+
+    def packed(self, tensor: TensorSpec, expert: int | None = None) -> bool:
+        """True when ``tensor`` (expert ``expert`` of a template) is stored as blocks + scales."""
+        if self.layout == LAYOUT_GPT_OSS:
+            if not (tensor.is_routed and tensor.expert_dim is not None and tensor.name.endswith(_FUSED_EXPERT_SUFFIXES)):
+                return False
+            module = tensor.name.rsplit(".", 1)[0]
+            keep = self.config.get("modules_to_not_convert") or []
+            return not any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in keep)
+        if self.layout == LAYOUT_COMPRESSED_TENSORS:
+            if tensor.group not in MATMUL_GROUPS or len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
+                return False
+            module = tensor.name.format(e=0 if expert is None else expert).removesuffix(".weight")
+            groups = (self.config.get("config_groups") or {}).values()
+            targeted = any(t == "Linear" or _matches(t, module) for g in groups for t in g.get("targets", ()))
+            return targeted and not any(_matches(rule, module) for rule in self.config.get("ignore") or ())
+        return False
+
+    def names(self, tensor: TensorSpec, expert: int | None = None) -> tuple[str, str]:
+        """(blocks name, scales name) of a packed tensor in the checkpoint."""
+        if self.layout == LAYOUT_GPT_OSS:
+            return gpt_oss_tensor_names(tensor.name)
+        name = tensor.name.format(e=0 if expert is None else expert) if "{e}" in tensor.name else tensor.name
+        return compressed_tensors_names(name.removesuffix(".weight"))
+
+    def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Stored (blocks, scales) shapes of a weight of logical shape [..., out, in]."""
+        *lead, inp = shape
+        groups = inp // BLOCK_SIZE
+        if self.layout == LAYOUT_GPT_OSS:
+            return (*lead, groups, BYTES_PER_BLOCK), (*lead, groups)
+        return (*lead, inp // 2), (*lead, groups)
+
+    def dims(self, part: str) -> str:
+        """Symbolic stored shape of one half, for error messages."""
+        if self.layout == LAYOUT_GPT_OSS:
+            return "[E, out, in/32, 16]" if part == BLOCKS else "[E, out, in/32]"
+        return "[out, in/2]" if part == BLOCKS else "[out, in/32]"
+
+    def in_divisor(self, part: str) -> int:
+        """Input elements per stored unit along the last logical axis of one half."""
+        if part == SCALES or self.layout == LAYOUT_GPT_OSS:
+            return BLOCK_SIZE
+        return 2
+
+
+NONE = Quantization(LAYOUT_NONE)
+
+
+def quantization(spec: ModelSpec) -> Quantization:
+    """The checkpoint's MXFP4 layout; a one-line ShardwiseError for any other quantization."""
+    qc = spec.config.get("quantization_config")
+    layout = detect_layout(qc)
+    if layout == LAYOUT_NONE:
+        return NONE
+    if layout == LAYOUT_COMPRESSED_TENSORS and spec.family == "gpt_oss":
+        raise ShardwiseError(
+            "quantization_config of a gpt_oss checkpoint is compressed-tensors: gpt_oss experts are fused tensors, "
+            "expected quant_method 'mxfp4' with *_blocks / *_scales (the gpt-oss layout)"
+        )
+    return Quantization(layout, dict(qc))
+
+
+def check_quantization(spec: ModelSpec, plan: ParallelPlan) -> None:
+    """Raise a one-line ShardwiseError when ``plan`` would cut an MXFP4 block of ``spec``."""
+    quant = quantization(spec)
+    if not quant.quantized:
+        return
+    for tensor in spec.tensors():
+        if not quant.packed(tensor):
+            continue
+        full = tensor.shape[-1]
+        local = shard_shape(tensor, plan, 0)[-1]
+        if full % BLOCK_SIZE == 0 and local % BLOCK_SIZE:
+            fix = f"use --ep {plan.tp}" if tensor.is_routed else "use a smaller --tp"
+            raise ShardwiseError(
+                f"MXFP4 tensor '{tensor.name}' would be split into {local}-element slices of its {full} inputs at "
+                f"--tp {plan.tp} --ep {plan.ep}, expected a multiple of {BLOCK_SIZE} (whole blocks): {fix}"
+            )
+
+
+def packed_param(tensor: TensorSpec, local_shape: tuple[int, ...], part: str, quant: Quantization,
+                 expert: int | None = None) -> nn.Parameter:
+    """An empty uint8 parameter for one half of a packed weight whose shard is ``local_shape``.
+
+    ``param.spec`` / ``param.expert`` / ``param.packed`` tell the loader what to read.
+    """
+    blocks, scales = quant.stored_shapes(local_shape)
+    p = nn.Parameter(torch.empty(blocks if part == BLOCKS else scales, dtype=torch.uint8), requires_grad=False)
+    p.spec = tensor  # type: ignore[attr-defined]
+    p.expert = expert  # type: ignore[attr-defined]
+    p.packed = part  # type: ignore[attr-defined]
+    return p
