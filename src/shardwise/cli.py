@@ -16,7 +16,7 @@ app = typer.Typer(
 )
 
 # Each module defines register(app). Add a verb by adding its module here.
-_COMMAND_MODULES: tuple[str, ...] = ("plan", "catalog", "validate", "run", "ring", "sweep", "report", "probe")
+_COMMAND_MODULES: tuple[str, ...] = ("plan", "catalog", "validate", "run", "ring", "sweep", "report", "probe", "bench", "quantize")
 
 for _name in _COMMAND_MODULES:
     importlib.import_module(f"shardwise.commands.{_name}").register(app)

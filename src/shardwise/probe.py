@@ -4,7 +4,9 @@
 ``torchrun`` across hosts) and measures, with the runtime's own code paths:
 
 - every all-reduce algorithm of ``shardwise.runtime.comm`` over message sizes that
-  double from ``min_bytes`` to ``max_bytes``, printed like nccl-tests: time, algbw =
+  double from ``min_bytes`` to ``max_bytes``, printed like nccl-tests: time (the
+  median of the timed calls on each rank, then the slowest rank: a shared, busy host
+  makes means useless), algbw =
   bytes / time and busbw = algbw · 2(p−1)/p (nccl-tests' all-reduce bus bandwidth,
   comparable across rank counts);
 - point-to-point ping-pong over each link (half the round trip), from which
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,7 +54,7 @@ class ProbeConfig:
     """
 
     min_bytes: int = 8
-    max_bytes: int = 1 << 20
+    max_bytes: int = 4 << 20
     iters: int = 20
     warmup: int = 3
     algorithms: tuple[str, ...] = PROBE_ALGORITHMS
@@ -99,13 +102,14 @@ def bus_bandwidth(algbw: float, p: int) -> float:
 def fit_alpha_beta(
     n_bytes: Sequence[float], seconds: Sequence[float], messages: float = 1.0, volume: float = 1.0
 ) -> tuple[float, float]:
-    """Least-squares (α s, β bytes/s) of ``t = messages·α + volume·n/β``.
+    """Robust least-squares (α s, β bytes/s) of ``t = messages·α + volume·n/β``.
 
     ``messages`` and ``volume`` adapt the fit to an algorithm: a point-to-point message
     is (1, 1), a ring all-reduce over p ranks (2(p−1), 2(p−1)/p). Each point's residual is
     relative to its time, so the latency-bound small sizes fix α as firmly as the large
-    ones fix β. α is clipped at 0; a β that comes out non-positive (times that do not
-    grow with size) is an error naming the points.
+    ones fix β; Huber reweighting (a few rounds) keeps a point a busy host slowed down
+    from dragging the line. α is clipped at 0; a β that comes out non-positive (times
+    that do not grow with size) is an error naming the range.
     """
     n = np.asarray(n_bytes, dtype=float)
     t = np.asarray(seconds, dtype=float)
@@ -114,16 +118,22 @@ def fit_alpha_beta(
     if np.any(t <= 0):
         raise ShardwiseError("fitting alpha/beta needs positive times")
     design = np.stack([np.full_like(n, messages), volume * n], axis=1) / t[:, None]
-    (alpha, inv_beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    weights = np.ones_like(t)
+    for _ in range(8):
+        sw = np.sqrt(weights)
+        (alpha, inv_beta), *_ = np.linalg.lstsq(design * sw[:, None], sw, rcond=None)
+        if alpha < 0:  # α at its bound: fit 1/β alone
+            alpha = 0.0
+            inv_beta = float(np.sum(weights * design[:, 1]) / np.sum(weights * design[:, 1] ** 2))
+        residual = np.abs(design @ np.array([alpha, inv_beta]) - 1.0)
+        scale = 1.4826 * float(np.median(residual)) or 1e-12
+        weights = np.minimum(1.0, 1.345 * scale / np.maximum(residual, 1e-300))
     if inv_beta <= 0:
         raise ShardwiseError(
             f"times do not grow with message size ({t.min():.3g}-{t.max():.3g} s over "
             f"{int(n.min())}-{int(n.max())} B): probe larger sizes with --max-bytes"
         )
-    alpha = max(float(alpha), 0.0)
-    if alpha == 0.0:  # refit β alone with α pinned at its bound
-        inv_beta = float(np.sum(volume * n * t / t**2) / np.sum((volume * n) ** 2 / t**2))
-    return alpha, 1.0 / float(inv_beta)
+    return float(alpha), 1.0 / float(inv_beta)
 
 
 def ring_alpha_beta(n_bytes: Sequence[float], seconds: Sequence[float], p: int) -> tuple[float, float]:
@@ -136,11 +146,12 @@ def ring_alpha_beta(n_bytes: Sequence[float], seconds: Sequence[float], p: int) 
 # --------------------------------------------------------------------------- inside a rank
 
 
-def count_ops(fn: Callable[[], Any]) -> int:
-    """Number of aten ops ``fn()`` dispatches (views and in-place ops included)."""
+def op_counter():
+    """A torch dispatch mode whose ``ops`` attribute counts the aten ops dispatched while it
+    is active (views and in-place ops included); use as ``with op_counter() as c:``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class _Counter(TorchDispatchMode):
+    class _OpCounter(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.ops = 0
@@ -149,7 +160,12 @@ def count_ops(fn: Callable[[], Any]) -> int:
             self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    with _Counter() as counter:
+    return _OpCounter()
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    """Number of aten ops ``fn()`` dispatches."""
+    with op_counter() as counter:
         fn()
     return counter.ops
 
@@ -197,22 +213,26 @@ def _reference_block(width: int = 64, heads: int = 4, context: int = 16) -> Call
     return block
 
 
-def measure_op_overhead(reps: int = 200) -> tuple[float, int]:
-    """(seconds per dispatched aten op, ops per block) of the reference block, eager."""
+def measure_op_overhead(reps: int = 20, batches: int = 15) -> tuple[float, int]:
+    """(seconds per dispatched aten op, ops per block) of the reference block, eager, in
+    the dispatch context the runtime decodes in (``runtime.exact.row_blocked``); the
+    median of ``batches`` batches, like the decode steps ``bench`` compares it with."""
     import torch
 
+    from shardwise.runtime.exact import row_blocked
+
     block = _reference_block()
-    with torch.no_grad():
+    with torch.no_grad(), row_blocked():
         ops = count_ops(block)
         for _ in range(10):
             block()
-        best = float("inf")
-        for _ in range(3):
+        times = []
+        for _ in range(batches):
             t0 = time.perf_counter()
             for _ in range(reps):
                 block()
-            best = min(best, (time.perf_counter() - t0) / reps)
-    return best / ops, ops
+            times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times) / ops, ops
 
 
 def measure_triad(n_bytes: int, reps: int = 5) -> float:
@@ -294,12 +314,13 @@ def probe_rank(rank: int, world: int, cfg: ProbeConfig, progress: Any = None) ->
                 buf = torch.zeros(max(1, n // 4))
                 for _ in range(cfg.warmup):
                     fn(buf)
-                iters = cfg.iters_for(n)
                 dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
+                times = []
+                for _ in range(cfg.iters_for(n)):
+                    t0 = time.perf_counter()
                     fn(buf)
-                elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+                    times.append(time.perf_counter() - t0)
+                elapsed = torch.tensor([statistics.median(times)], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 points.append((n, float(elapsed)))
                 tick(f"{name} {n} B")
@@ -313,16 +334,17 @@ def probe_rank(rank: int, world: int, cfg: ProbeConfig, progress: Any = None) ->
                 elapsed = torch.zeros(1, dtype=torch.float64)
                 if rank in (a, b):
                     peer = b if rank == a else a
-                    for i in range(cfg.warmup + iters):
-                        if i == cfg.warmup:
-                            t0 = time.perf_counter()
+                    times = []
+                    for _ in range(cfg.warmup + iters):
+                        t0 = time.perf_counter()
                         if rank == a:
                             dist.send(buf, peer)
                             dist.recv(buf, peer)
                         else:
                             dist.recv(buf, peer)
                             dist.send(buf, peer)
-                    elapsed[0] = (time.perf_counter() - t0) / iters / 2
+                        times.append((time.perf_counter() - t0) / 2)
+                    elapsed[0] = statistics.median(times[cfg.warmup:])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 points.append((n, float(elapsed)))
                 tick(f"p2p {label} {n} B")

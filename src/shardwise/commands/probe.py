@@ -55,17 +55,17 @@ def run_probe(
     from shardwise.probe import probe_rank, probe_steps, summarize
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        import torch.distributed as dist
-
-        from shardwise.runtime.launch import init_from_env
-
-        rank = int(os.environ["RANK"])
+        rank = int(os.environ["RANK"]) if os.environ["RANK"].isdigit() else -1
         left = timeout_s
-        if rank != 0:
+        if rank != 0:  # check the master answers before torch's store client retries past the limit
             addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
             if not port.isdigit():
                 raise ShardwiseError(f"MASTER_PORT={port!r} must be a port number")
             left = wait_for_master(addr, int(port), timeout_s)
+        import torch.distributed as dist
+
+        from shardwise.runtime.launch import init_from_env
+
         rank, world = init_from_env(backend, timeout_s=max(left, 1.0))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         with _progress(probe_steps(cfg, world, local), show_progress and rank == 0) as bar:
@@ -176,7 +176,7 @@ def register(app: typer.Typer) -> None:
         ranks: Annotated[int, typer.Option("--ranks", help="local processes (ignored under torchrun)")] = 2,
         backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU)")] = "gloo",
         min_bytes: Annotated[int, typer.Option("--min-bytes", help="smallest message, bytes")] = 8,
-        max_bytes: Annotated[int, typer.Option("--max-bytes", help="largest message, bytes (64 MB: 67108864)")] = 1 << 20,
+        max_bytes: Annotated[int, typer.Option("--max-bytes", help="largest message, bytes (64 MB: 67108864)")] = 4 << 20,
         iters: Annotated[int, typer.Option("--iters", help="timed repetitions per size")] = 20,
         algorithms: Annotated[str, typer.Option("--algorithms", help="comma list of ring, rd, oneshot, two-level, builtin")] = ",".join(
             ("ring", "rd", "oneshot", "two-level", "builtin")),

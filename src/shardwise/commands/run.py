@@ -11,6 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from shardwise.errors import ShardwiseError
+from shardwise.runtime import DEFAULT_TIMEOUT_S
 
 DEFAULT_PROMPT = "Hello world"
 
@@ -54,11 +55,93 @@ def _document(spec, folder: Path, request, reports: list[dict[str, Any]], backen
         "prefill_s": first["prefill_s"],
         "decode_s": first["decode_s"],
         "tok_per_s": first["tok_per_s"],
+        "speculative": first["speculative"],
         "ranks": [
             {k: r[k] for k in ("rank", "param_bytes", "cache_bytes", "experts", "load_s", "prefill_s", "tok_per_s")}
             for r in reports
         ],
     }
+
+
+def _trace_paths(path: Path) -> tuple[Path, Path]:
+    """(Chrome trace path, sibling summary path ``NAME.summary.json``); the folder must exist."""
+    if not path.parent.is_dir():
+        raise ShardwiseError(f"--trace {path}: folder '{path.parent}' does not exist")
+    return path, path.with_suffix(".summary.json")
+
+
+def _write_trace(spec, request, reports: list[dict[str, Any]], path: Path, tok_per_s: float) -> dict[str, Any]:
+    """Write the Chrome trace and its summary; return ``{"path", "summary_path", "summary"}``."""
+    from shardwise.runtime.trace import chrome_trace, summarize
+
+    ranks = [r["trace"] for r in reports]
+    summary = summarize(ranks, spec.name, request.tp, request.ep, tok_per_s)
+    trace_path, summary_path = _trace_paths(path)
+    meta = {"model": spec.name, "tp": request.tp, "ep": request.ep, "measured_tok_per_s": tok_per_s}
+    trace_path.write_text(json.dumps(chrome_trace(ranks, meta)))
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    return {"path": str(trace_path), "summary_path": str(summary_path), "summary": summary}
+
+
+def _print_trace(trace: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from shardwise.runtime.trace import kind_breakdown
+
+    summary, con = trace["summary"], Console()
+
+    def pct(x: float, total: float) -> str:
+        return f"{100 * x / total:.0f}%" if total > 0 else "-"
+
+    t = Table(title=f"decode step time by rank (mean of {summary['decode_steps']} steps)")
+    for col in ("rank", "step ms", "compute", "comm", "wait", "trace sync", "other", "last to arrive"):
+        t.add_column(col, justify="right")
+    for r in summary["ranks"]:
+        step = r["step_s"]
+        t.add_row(str(r["rank"]), f"{step * 1e3:.2f}", pct(r["compute_s"], step), pct(r["comm_s"], step),
+                  pct(r["wait_s"], step), pct(r["sync_s"], step), pct(r["other_s"], step),
+                  f"{100 * r['last_arrival_share']:.0f}%")
+    con.print(t)
+    steps = {r["rank"]: r["step_s"] for r in summary["ranks"]}
+    k = Table(title="by layer type (ms per step, share of the step)")
+    for col in ("rank", "layer type", "layers", "compute", "comm", "wait"):
+        k.add_column(col, justify="right")
+    for row in kind_breakdown(summary):
+        step = steps[row["rank"]]
+        k.add_row(str(row["rank"]), row["kind"], str(row["layers"]),
+                  *(f"{row[c] * 1e3:.2f} ({pct(row[c], step)})" for c in ("compute_s", "comm_s", "wait_s")))
+    con.print(k)
+    slow = next(r for r in summary["ranks"] if r["rank"] == summary["slowest_rank"])
+    others = [r for r in summary["ranks"] if r["rank"] != slow["rank"]]
+    versus = f" vs {max(r['compute_s'] for r in others) * 1e3:.2f} ms at most elsewhere" if others else ""
+    con.print(
+        f"slowest rank: [bold]{slow['rank']}[/] (last to arrive at {100 * slow['last_arrival_share']:.0f}% of its "
+        f"all-reduces; compute {slow['compute_s'] * 1e3:.2f} ms/step{versus}); trace sync is the arrival-time "
+        f"exchange tracing adds. Trace: {trace['path']} (Perfetto), summary: {trace['summary_path']}",
+        highlight=False,
+    )
+
+
+def _print_speculative(spec: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    def ms(x: float | None) -> str:
+        return f"{x * 1e3:.2f} ms" if x is not None else "-"
+
+    def rate(x: float | None) -> str:
+        return f"{x:.2f}" if x is not None else "-"
+
+    by_position = " ".join(rate(a) for a in spec["acceptance_by_position"])
+    speedup = f"{spec['speedup']:.2f}×" if spec["speedup"] is not None else "-"
+    Console().print(
+        f"speculative ({spec['method']}, k={spec['spec_tokens']}): drafted {spec['drafted']}, accepted "
+        f"{spec['accepted']} (rate {rate(spec['acceptance_rate'])}; by position {by_position}); "
+        f"{rate(spec['tokens_per_step'])} tokens per verify step; verify step {ms(spec['verify_step_s'])} vs plain "
+        f"step {ms(spec['plain_step_s'])}; speed-up [bold]{speedup}[/] over plain decode "
+        f"({spec['plain_tok_per_s']:.1f} tok/s)",
+        highlight=False,
+    )
 
 
 def _print_human(doc: dict[str, Any]) -> None:
@@ -100,7 +183,15 @@ def register(app: typer.Typer) -> None:
         top_p: Annotated[float, typer.Option("--top-p", help="nucleus sampling mass")] = 1.0,
         seed: Annotated[int, typer.Option("--seed", help="sampling seed (the same on every rank)")] = 0,
         backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU)")] = "gloo",
-        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot or two-level")] = "builtin",
+        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level, or auto (cheapest by the α-β model)")] = "builtin",
+        cluster: Annotated[Optional[str], typer.Option("--cluster", help="cluster TOML (from `shardwise probe`) whose α/β --allreduce auto uses")] = None,
+        trace: Annotated[Optional[Path], typer.Option("--trace", help="write a per-layer, per-rank Chrome trace (Perfetto) here and its summary to NAME.summary.json")] = None,
+        timeout: Annotated[float, typer.Option("--timeout", help="seconds the rendezvous or one collective may block before the run fails")] = DEFAULT_TIMEOUT_S,
+        spec_method: Annotated[Optional[str], typer.Option("--spec", help="speculative decoding: ngram (prompt lookup) or draft (with --draft)")] = None,
+        spec_tokens: Annotated[int, typer.Option("--spec-tokens", help="tokens drafted per verify step (k)")] = 4,
+        ngram_min: Annotated[int, typer.Option("--ngram-min", help="shortest n-gram prompt lookup matches")] = 1,
+        ngram_max: Annotated[int, typer.Option("--ngram-max", help="longest n-gram prompt lookup matches (tried first)")] = 3,
+        draft: Annotated[Optional[Path], typer.Option("--draft", help="draft model checkpoint (same vocabulary; implies --spec draft)")] = None,
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
     ) -> None:
         """Generate with the model split over --tp local processes (or join a torchrun group)."""
@@ -124,9 +215,29 @@ def register(app: typer.Typer) -> None:
         ep = ep if ep is not None else _default_ep(spec, tp)
         plan = ParallelPlan(tp=tp, ep=ep)
         check_runnable(spec, plan)
+        if allreduce == "auto":
+            from shardwise.perf.allreduce_choice import choose_for_run
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", tp)) if torchrun else tp
+            choice = choose_for_run(spec.hidden_size, torch_dtype(dtype).itemsize, tp, cluster, local)
+            typer.echo(choice.describe(), err=True)
+            allreduce = choice.name
         get_allreduce(allreduce)
         torch_dtype(dtype)
         SamplingParams(temperature, top_p, seed)
+        spec_params = None
+        if spec_method is not None or draft is not None:
+            from shardwise.runtime.drafters import check_draft
+            from shardwise.runtime.speculative import SpecParams
+
+            spec_params = SpecParams(spec_method or "draft", spec_tokens, ngram_min, ngram_max,
+                                     str(draft) if draft is not None else None)
+            if draft is not None:
+                check_draft(folder, draft)
+        if timeout <= 0:
+            raise ShardwiseError(f"--timeout must be > 0 seconds, got {timeout:g}")
+        if trace is not None:
+            _trace_paths(trace)
         with Checkpoint(folder) as ckpt:
             check_checkpoint(spec, ckpt)
         if prompt_ids is not None:
@@ -136,13 +247,14 @@ def register(app: typer.Typer) -> None:
         request = RunRequest(
             checkpoint=str(folder), prompt_ids=ids, max_new_tokens=max_new_tokens, tp=tp, ep=ep, dtype=dtype,
             temperature=temperature, top_p=top_p, seed=seed, allreduce=allreduce, backend=backend,
+            trace=trace is not None, log=True, spec=spec_params,
         )
         if torchrun:
             import torch.distributed as dist
 
             from shardwise.runtime.launch import init_from_env
 
-            rank, world_size = init_from_env(backend)
+            rank, world_size = init_from_env(backend, timeout_s=timeout)
             report = run_rank(rank, world_size, request)
             reports: list[Any] = [None] * world_size if rank == 0 else None
             dist.gather_object(report, reports, dst=0)
@@ -152,12 +264,18 @@ def register(app: typer.Typer) -> None:
         else:
             from shardwise.runtime.launch import launch_local
 
-            reports = launch_local(run_rank, tp, args=(request,), backend=backend)
+            reports = launch_local(run_rank, tp, args=(request,), backend=backend, timeout_s=timeout)
         doc = _document(spec, Path(folder), request, reports, backend)
+        if trace is not None:
+            doc["trace"] = _write_trace(spec, request, reports, trace, doc["tok_per_s"])
         if json_out:
             print(json.dumps(doc, indent=2))
         else:
             _print_human(doc)
+            if doc["speculative"] is not None:
+                _print_speculative(doc["speculative"])
+            if trace is not None:
+                _print_trace(doc["trace"])
 
     @app.command("make-checkpoint")
     def make_checkpoint_command(

@@ -22,7 +22,7 @@ from shardwise.errors import ShardwiseError
 DEFAULT_MAX_BOXES = 64
 CSV_FIELDS = (
     "model", "box", "boxes", "link", "tp", "ep", "pp", "layout", "quant", "bits_per_weight", "tok_per_s",
-    "prefill_tok_per_s", "usd", "watts", "rated_watts", "switches", "price_per_box_usd", "price_basis",
+    "prefill_tok_per_s", "prefill_bottleneck", "usd", "watts", "rated_watts", "switches", "price_per_box_usd", "price_basis",
     "joules_per_token", "usd_per_tok_per_s", "bottleneck", "step_s", "collective_s", "free_bytes",
     "context_tokens", "runtime", "spec_tokens", "box_name", "link_name",
 )
@@ -212,6 +212,8 @@ def render(result, req, explanations: list[str], limit: int) -> None:
     con.print(t)
     for line in explanations:
         con.print(f"[bold]check:[/] {line}")
+    for note in result.notes:
+        con.print(f"[dim]note: {note}[/]")
     con.print(
         f"[dim]runtime profile {req.runtime}; $ = boxes at the builder's price where known, else list "
         f"(--list-prices), plus switches; W = loaded watts of boxes and switches; rules: shardwise.perf.pareto[/]"

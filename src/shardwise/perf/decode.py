@@ -101,7 +101,7 @@ def layer_costs(model: ModelSpec, plan: ParallelPlan, formats_bits: dict[str, fl
                 dense_bytes += numel * bits / 8
                 if t.group != NORM and len(shape) >= 2 and shape[-1] > 1:
                     dense_numel += numel
-        kv, state, ctx_flops, const_flops = _attention_costs(model, plan, layer, kv_bytes)
+        kv, state, ctx_flops, const_flops = attention_costs(model, plan, layer, kv_bytes)
         out.append(
             LayerCost(
                 index=layer.index, kind=layer.attention, dense_bytes=dense_bytes, dense_numel=dense_numel,
@@ -113,7 +113,7 @@ def layer_costs(model: ModelSpec, plan: ParallelPlan, formats_bits: dict[str, fl
     return out
 
 
-def _attention_costs(model: ModelSpec, plan: ParallelPlan, layer: LayerSpec, kv_bytes: float) -> tuple[float, float, float, float]:
+def attention_costs(model: ModelSpec, plan: ParallelPlan, layer: LayerSpec, kv_bytes: float) -> tuple[float, float, float, float]:
     """(cache bytes per context token, state bytes, FLOPs per context token, constant FLOPs) on one rank."""
     tp = plan.tp
     heads = model.num_heads / tp

@@ -228,7 +228,8 @@ def estimate(sc: Scenario) -> dict:
             "cache_bytes_per_token": m.cache_bytes_per_token(sc.kv_bytes),
         },
         "cluster": {
-            "box": sc.box.name, "boxes": sc.boxes, "link": sc.link.name,
+            "box": sc.box.name, "box_key": sc.box.key, "boxes": sc.boxes, "link": sc.link.name, "link_key": sc.link.key,
+            "tflops_bf16": sc.box.tflops_bf16, "switches": switches_needed(sc.link, sc.boxes),
             "memory_bandwidth_gbps": sc.box.memory_bandwidth_gbps, "link_bandwidth_gbps": sc.link.bandwidth_gbps,
             "link_latency_s": sc.link.latency_s,
         },
@@ -303,9 +304,17 @@ def _prefill(sc: Scenario, layers, bits, hw: Hardware) -> dict:
     }
 
 
+def switches_needed(link, boxes: int) -> int:
+    """Switches a cluster of ``boxes`` needs on ``link``: none for 1-2 boxes (a direct cable),
+    else enough of the link's switch for one port per box."""
+    if boxes <= 2 or not getattr(link, "switch_ports", None):
+        return 0
+    return -(-boxes // link.switch_ports)
+
+
 def _power(sc: Scenario, tok_per_s: float) -> dict:
     box, link = sc.box, sc.link
-    switch_w = (link.switch_watts or 0.0) if sc.boxes > 2 else 0.0
+    switch_w = (link.switch_watts or 0.0) * switches_needed(link, sc.boxes)
     load = sc.boxes * box.load_watts + switch_w
     return {
         "rated_watts": sc.boxes * box.rated_watts, "load_watts": load,
@@ -315,7 +324,7 @@ def _power(sc: Scenario, tok_per_s: float) -> dict:
 
 
 def _cost(sc: Scenario, tok_per_s: float) -> dict:
-    switch = (sc.link.switch_price_usd or 0.0) if sc.boxes > 2 else 0.0
+    switch = (sc.link.switch_price_usd or 0.0) * switches_needed(sc.link, sc.boxes)
     boxes_usd = sc.boxes * sc.price_usd
     return {
         "usd": boxes_usd, "price_per_box_usd": sc.price_usd, "price_note": sc.price_note,

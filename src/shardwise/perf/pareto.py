@@ -200,7 +200,7 @@ class SweepResult:
     fitting: int  # of those, fit in memory at the context
     feasible: int  # of those, meet every constraint
     elapsed_s: float
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # models with nothing on their front
     ranking: list[dict] = field(default_factory=list)  # best row per model, by tok/s
 
 
@@ -220,8 +220,8 @@ def _constraint_text(req: SweepRequest, name: str) -> str:
 class _Model:
     """Everything swept for one model, accumulated over its quantization variants."""
 
-    def __init__(self, name: str, spec: ModelSpec):
-        self.name, self.spec = name, spec
+    def __init__(self, name: str):
+        self.name = name
         self.cols: dict[str, list[np.ndarray]] = {}
 
     def add(self, **cols: np.ndarray) -> None:
@@ -272,7 +272,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
     for name, spec, quants in work:
         plans = enumerate_layouts(spec, req.counts)
         layouts[name], variants[name] = plans, quants
-        acc = _Model(name, spec)
+        acc = _Model(name)
         models.append(acc)
         if not plans:
             if progress:
@@ -311,14 +311,15 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
             totals["fitting"] += int((buildable & fits).sum())
             totals["feasible"] += int(ok.sum())
             grid = dict(usd=usd, watts=watts, tok=tok, out=out, shape=shape)
-            _track_nearest(req, name, variant, plans, boxes, links, buildable, viol, nearest, overall, grid)
+            if not totals["feasible"]:  # only needed to explain an empty result
+                _track_nearest(req, name, variant, plans, boxes, links, buildable, viol, nearest, overall, grid)
             p_i, b_i, k_i = np.nonzero(ok)
             if not len(p_i):
                 if progress:
                     progress(1, total_steps)
                 continue
             cols = dict(
-                quant=np.full(len(p_i), qi), layout=p_i, box=b_i, link=k_i,
+                quant=np.full(len(p_i), qi), layout=p_i, box=b_i, link=k_i, n=n[p_i, 0, 0],
                 tok=tok[p_i, b_i, k_i], usd=np.broadcast_to(usd, shape)[p_i, b_i, k_i],
                 watts=np.broadcast_to(watts, shape)[p_i, b_i, k_i], bits=np.full(len(p_i), table.bits_per_weight),
                 bottleneck=np.broadcast_to(out["bottleneck"], shape)[p_i, b_i, k_i],
@@ -330,6 +331,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
                 pf = core.evaluate_prefill(spec, table, layout_idx, bw, peak, alpha, beta, req.prompt_tokens,
                                            link_network=network, **factors)
                 cols["prefill"] = np.broadcast_to(pf["tok_per_s"], shape)[p_i, b_i, k_i]
+                cols["prefill_bottleneck"] = np.broadcast_to(pf["bottleneck"], shape)[p_i, b_i, k_i]
             acc.add(**cols)
             if progress:
                 progress(1, total_steps)
@@ -337,9 +339,11 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
     ctx = _RowContext(req, boxes, links, prices, load_w, rated_w, layouts, variants)
     rows: list[dict] = []
     ranking: list[dict] = []
+    notes = []
     for acc in models:
         cols = acc.arrays()
         if not cols:
+            notes.append(f"{acc.name}: no configuration fits and meets the constraints")
             continue
         keep = front_indices(cols, prefill=req.prefill)
         model_rows = [ctx.row(acc.name, {k: v[i] for k, v in cols.items()}) for i in keep]
@@ -348,7 +352,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
     rows.sort(key=_row_order)
     ranking.sort(key=_row_order)
     elapsed = time.perf_counter() - t0
-    result = SweepResult(rows=rows, ranking=ranking, elapsed_s=elapsed, **totals)
+    result = SweepResult(rows=rows, ranking=ranking, elapsed_s=elapsed, notes=notes, **totals)
     if not rows:
         raise ShardwiseError(_nothing_message(req, nearest, overall, totals))
     return result
@@ -388,6 +392,7 @@ class _RowContext:
         }
         if "prefill" in v:
             row["prefill_tok_per_s"] = float(v["prefill"])
+            row["prefill_bottleneck"] = core.PREFILL_BOTTLENECKS[int(v["prefill_bottleneck"])]
         row.update({
             "usd": usd, "watts": watts, "rated_watts": n * float(self.rated_w[int(v["box"])]),
             "switches": switches, "price_per_box_usd": float(self.prices[int(v["box"])]),
@@ -515,15 +520,16 @@ def front_indices(cols: dict[str, np.ndarray], prefill: bool = False) -> np.ndar
     watts up).
 
     Without a prefill objective, configurations differing only in layout share usd, watts and
-    bits, so only the fastest layout of each (quant, box, count, link) can be on the front:
+    bits, so only the fastest layout of each (quant, box, count ``n``, link) can be on the front:
     the others are dropped first (ties kept).
     """
     idx = np.arange(len(cols["tok"]))
     if not prefill:
-        key = np.stack([cols["quant"], cols["box"], cols["usd"], cols["watts"], cols["link"]])
-        order = np.lexsort((-cols["tok"], *key[::-1]))
-        k = key[:, order]
-        starts = np.concatenate([[True], np.any(k[:, 1:] != k[:, :-1], axis=0)])
+        key = ((cols["quant"] * (cols["box"].max() + 1) + cols["box"]) * (cols["link"].max() + 1) + cols["link"]) \
+            * (cols["n"].max() + 1) + cols["n"]
+        order = np.lexsort((-cols["tok"], key))
+        k = key[order]
+        starts = np.concatenate([[True], k[1:] != k[:-1]])
         group = np.cumsum(starts) - 1
         best = np.maximum.reduceat(cols["tok"][order], np.flatnonzero(starts))
         idx = order[cols["tok"][order] == best[group]]

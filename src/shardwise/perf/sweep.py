@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardwise.perf import collectives
-from shardwise.perf.decode import ACTIVATION_BYTES, _attention_costs
+from shardwise.perf.decode import ACTIVATION_BYTES, attention_costs
 from shardwise.perf.imbalance import distinct_experts, expected_max_load_tokens
 from shardwise.perf.memory import PREFILL_CHUNK_TOKENS
 from shardwise.perf.speculative import tokens_per_step
@@ -141,62 +141,53 @@ def _cache_per_layer(model: ModelSpec, layer: LayerSpec, tp: int, kv_bytes: floa
 
 def count_layouts(model: ModelSpec, plans: list[ParallelPlan], kv_bytes: float = 2.0) -> LayoutCounts:
     """Element counts, cache and attention figures per layout and layer (quantization-free)."""
-    n_layers, g = model.num_layers, len(TENSOR_GROUPS)
+    n_layers = model.num_layers
     sigs = [_signature(layer) for layer in model.layers]
     first_of: dict[tuple, LayerSpec] = {}
     for sig, layer in zip(sigs, model.layers):
         first_of.setdefault(sig, layer)
-    n_plans = len(plans)
     max_pp = max((p.pp for p in plans), default=1)
-    arr = {k: np.zeros((n_plans, n_layers, g)) for k in ("dense_numel_g", "expert_numel_g", "held_numel_g")}
-    lay = {k: np.zeros((n_plans, n_layers)) for k in (
-        "dense_matmul_numel", "expert_matmul_numel", "kv_read_bytes_per_ctx", "state_bytes", "attn_flops_per_ctx",
-        "attn_flops_const", "cache_bytes_per_ctx", "cache_bytes_const")}
-    glob = {k: np.zeros((n_plans, g)) for k in (
-        "global_read_numel_g", "global_first_numel_g", "global_last_numel_g", "global_all_numel_g")}
-    emb_row = np.zeros(n_plans)
-    start = np.zeros((n_plans, max_pp), dtype=np.int64)
-    stop = np.zeros((n_plans, max_pp), dtype=np.int64)
-    valid = np.zeros((n_plans, max_pp), dtype=bool)
-    workspace = np.zeros(n_plans)
-    per_tp_ep: dict[tuple[int, int], tuple] = {}
-    for i, plan in enumerate(plans):
-        key = (plan.tp, plan.ep)
-        if key not in per_tp_ep:
-            flat = ParallelPlan(tp=plan.tp, ep=plan.ep)
-            by_sig = {sig: _tensor_counts(layer.tensors, flat) for sig, layer in first_of.items()}
-            attn = {sig: _attention_costs(model, flat, layer, kv_bytes) for sig, layer in first_of.items()}
-            cache = {sig: _cache_per_layer(model, layer, plan.tp, kv_bytes) for sig, layer in first_of.items()}
-            rows = [by_sig[s] for s in sigs]
-            per_tp_ep[key] = (
-                np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), np.stack([r[2] for r in rows]),
-                np.array([r[3] for r in rows], dtype=float), np.array([r[4] for r in rows], dtype=float),
-                np.array([attn[s] for s in sigs], dtype=float), np.array([cache[s] for s in sigs], dtype=float),
-                _global_counts(model, flat),
-            )
-        dense, expert, held, dmm, emm, attn, cache, gl = per_tp_ep[key]
-        arr["dense_numel_g"][i], arr["expert_numel_g"][i], arr["held_numel_g"][i] = dense, expert, held
-        lay["dense_matmul_numel"][i], lay["expert_matmul_numel"][i] = dmm, emm
-        lay["kv_read_bytes_per_ctx"][i], lay["state_bytes"][i] = attn[:, 0], attn[:, 1]
-        lay["attn_flops_per_ctx"][i], lay["attn_flops_const"][i] = attn[:, 2], attn[:, 3]
-        lay["cache_bytes_per_ctx"][i], lay["cache_bytes_const"][i] = cache[:, 0], cache[:, 1]
-        read_g, row, first_g, last_g, all_g = gl
-        glob["global_read_numel_g"][i], emb_row[i] = read_g, row
-        glob["global_first_numel_g"][i], glob["global_last_numel_g"][i], glob["global_all_numel_g"][i] = first_g, last_g, all_g
-        # plan.stage_layers, vectorized: earlier stages take the remainder.
-        base, extra = divmod(n_layers, plan.pp)
-        st = np.arange(plan.pp)
-        start[i, :plan.pp] = st * base + np.minimum(st, extra)
-        stop[i, :plan.pp] = start[i, :plan.pp] + base + (st < extra)
-        valid[i, :plan.pp] = True
-        workspace[i] = PREFILL_CHUNK_TOKENS * (8 * model.hidden_size + model.vocab_size // plan.tp) * 4.0
+    keys = sorted({(p.tp, p.ep) for p in plans})
+    key_index = {k: i for i, k in enumerate(keys)}
+    per_key = []
+    for tp, ep in keys:
+        flat = ParallelPlan(tp=tp, ep=ep)
+        by_sig = {sig: _tensor_counts(layer.tensors, flat) for sig, layer in first_of.items()}
+        attn = {sig: attention_costs(model, flat, layer, kv_bytes) for sig, layer in first_of.items()}
+        cache = {sig: _cache_per_layer(model, layer, tp, kv_bytes) for sig, layer in first_of.items()}
+        per_key.append(([by_sig[s] for s in sigs], np.array([attn[s] for s in sigs], dtype=float),
+                        np.array([cache[s] for s in sigs], dtype=float), _global_counts(model, flat)))
+    which = np.array([key_index[(p.tp, p.ep)] for p in plans], dtype=np.int64)
+
+    def gather(make) -> np.ndarray:
+        return np.stack([make(entry) for entry in per_key])[which] if plans else np.zeros((0,))
+
+    arr = {name: gather(lambda e, j=j: np.stack([row[j] for row in e[0]])) for j, name in enumerate(
+        ("dense_numel_g", "expert_numel_g", "held_numel_g"))}
+    lay = {name: gather(lambda e, j=j: np.array([row[j] for row in e[0]], dtype=float)) for j, name in (
+        (3, "dense_matmul_numel"), (4, "expert_matmul_numel"))}
+    for j, name in enumerate(("kv_read_bytes_per_ctx", "state_bytes", "attn_flops_per_ctx", "attn_flops_const")):
+        lay[name] = gather(lambda e, j=j: e[1][:, j])
+    for j, name in enumerate(("cache_bytes_per_ctx", "cache_bytes_const")):
+        lay[name] = gather(lambda e, j=j: e[2][:, j])
+    glob = {name: gather(lambda e, j=j: e[3][j]) for j, name in (
+        (0, "global_read_numel_g"), (2, "global_first_numel_g"), (3, "global_last_numel_g"), (4, "global_all_numel_g"))}
+    emb_row = gather(lambda e: np.float64(e[3][1]))
+    # plan.stage_layers, vectorized: earlier stages take the remainder.
+    pp = np.array([p.pp for p in plans], dtype=np.int64)
+    stage = np.arange(max_pp)[None, :]
+    base, extra = (x[:, None] for x in np.divmod(n_layers, pp))
+    valid = stage < pp[:, None]
+    start = np.where(valid, stage * base + np.minimum(stage, extra), 0)
+    stop = np.where(valid, start + base + (stage < extra), 0)
+    tp = np.array([p.tp for p in plans], dtype=np.int64)
+    workspace = PREFILL_CHUNK_TOKENS * (8 * model.hidden_size + model.vocab_size // tp) * 4.0
     windows = np.array([layer.window if layer.window else np.inf for layer in model.layers], dtype=float)
     latent = np.array([layer.mlp == "moe" and model.moe is not None and model.moe.latent_size is not None for layer in model.layers])
     return LayoutCounts(
         plans=tuple(plans), **arr, **lay, window_tokens=windows, latent=latent, **glob, embedding_row_numel=emb_row,
         stage_start=start, stage_stop=stop, stage_valid=valid, workspace_bytes=workspace,
-        tp=np.array([p.tp for p in plans], dtype=np.int64), ep=np.array([p.ep for p in plans], dtype=np.int64),
-        pp=np.array([p.pp for p in plans], dtype=np.int64),
+        tp=tp, ep=np.array([p.ep for p in plans], dtype=np.int64), pp=pp,
     )
 
 
@@ -365,10 +356,11 @@ def evaluate(
     tokens = tokens_per_step(spec_tokens, acceptance) if spec_tokens else 1.0
     box_bytes = np.asarray(box_bytes, dtype=float)
     used = (fullest_rank_bytes(table, context_tokens) + table.counts.workspace_bytes)[layout] + reserve_fraction * box_bytes
-    terms = np.stack(np.broadcast_arrays(
-        np.where(memory_s >= compute_s, memory_s, 0.0), np.where(compute_s > memory_s, compute_s, 0.0),
-        collective_s, np.full_like(collective_s, step_overhead_s),
-    ))
+    # The largest of (memory or compute, collectives, host overhead), first on ties, as estimate() names it.
+    mem_first = memory_s >= compute_s
+    layer_term = np.where(mem_first, memory_s, compute_s)
+    bottleneck = np.where((layer_term >= collective_s) & (layer_term >= step_overhead_s), np.where(mem_first, 0, 1),
+                          np.where(collective_s >= step_overhead_s, 2, 3))
     return {
         "tok_per_s": tokens / step_s,
         "step_s": step_s,
@@ -379,7 +371,7 @@ def evaluate(
         "used_bytes": used,
         "free_bytes": box_bytes - used,
         "fits": used <= box_bytes,
-        "bottleneck": np.argmax(terms, axis=0),
+        "bottleneck": bottleneck,
     }
 
 

@@ -6,6 +6,12 @@ first layer and a MoE layer; gpt-oss a sliding and a full layer with an 8-token 
 and writes ``config.json``, ``model.safetensors`` (random weights, std 0.02 like HF init,
 norms 1) under the names and layouts ``save_pretrained`` uses, and a byte-level BPE
 ``tokenizer.json`` trained on a short built-in text so text prompts work.
+
+``quant="mxfp4"`` writes the experts in MXFP4 instead, through ``runtime.quantize``: the
+gpt-oss layout (``*_blocks`` / ``*_scales``) for gpt_oss, compressed-tensors
+``mxfp4-pack-quantized`` for the others. ``overrides`` replaces config fields after
+shrinking (e.g. a wider expert ``intermediate_size`` so experts split into whole
+32-element MXFP4 blocks under expert tensor parallelism).
 """
 
 from __future__ import annotations
@@ -83,9 +89,25 @@ def _tokenizer(vocab_size: int):
     return tok
 
 
-def make_checkpoint(model_key: str, scale: str = "tiny", out_dir: str | Path | None = None, seed: int = 0) -> Path:
-    """Write a tiny random checkpoint of catalog model ``model_key`` to ``out_dir``; returns it."""
+QUANTS = ("mxfp4",)
+
+
+def make_checkpoint(
+    model_key: str,
+    scale: str = "tiny",
+    out_dir: str | Path | None = None,
+    seed: int = 0,
+    quant: str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a tiny random checkpoint of catalog model ``model_key`` to ``out_dir``; returns it.
+
+    ``quant`` "mxfp4" quantizes the routed experts (OCP scales); ``overrides`` sets config fields.
+    """
     from shardwise.runtime.loader import sources
+
+    if quant is not None and quant not in QUANTS:
+        raise unknown_name("checkpoint quantization", quant, QUANTS)
 
     if scale not in SCALES:
         raise unknown_name("scale", scale, SCALES)
@@ -95,7 +117,7 @@ def make_checkpoint(model_key: str, scale: str = "tiny", out_dir: str | Path | N
     if out_dir is None:
         raise ShardwiseError("make-checkpoint needs an output folder: pass --out DIR")
     text = resources.files("shardwise.spec.catalog.models").joinpath(f"{model_key}.json").read_text()
-    config = _shrink(json.loads(text))
+    config = {**_shrink(json.loads(text)), **(overrides or {})}
     tok = _tokenizer(config["vocab_size"])
     config["bos_token_id"] = tok.token_to_id("<|bos|>")
     config["eos_token_id"] = tok.token_to_id("<|eos|>")
@@ -113,11 +135,21 @@ def make_checkpoint(model_key: str, scale: str = "tiny", out_dir: str | Path | N
             else:
                 tensors[name] = torch.randn(shape, generator=gen) * std
     out = Path(out_dir)
+    target = out
+    if quant is not None:  # write the float model beside, then quantize it into out_dir
+        out = Path(tempfile.mkdtemp(prefix=".float-", dir=out.parent if out.parent.exists() else None))
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
-    return out
+    if quant is not None:
+        from shardwise.runtime.quantize import quantize_checkpoint
+
+        try:
+            quantize_checkpoint(out, target, quant, experts_only=True, compare=False)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+    return target
 
 
 def cache_dir() -> Path:

@@ -1,7 +1,7 @@
 """Row-invariant linear layers, so a k+1-position verify pass equals k+1 single-token steps.
 
 Greedy speculative decoding is exact only if verifying k+1 positions in one forward pass
-gives, for every position, bit-identical logits to decoding that position alone. Two
+gives, for every position, bit-identical logits to decoding that position alone. Three
 things break that on CPU:
 
 - **GEMM shape.** A linear layer over M rows does not return, for a given row, the same
@@ -10,22 +10,36 @@ things break that on CPU:
   2024.2, one thread): rows of an M-row ``F.linear`` differ in the last bits from the
   same rows computed with M = 1 … 5, but are identical for every M that is a multiple of
   16, whichever rows share the call and at whatever position a row sits.
+- **Vector tails.** Elementwise transcendental functions (SiLU, sigmoid, rsqrt) run in
+  vectorised chunks of 32 floats plus a scalar loop for the remainder, and the two round
+  differently: element (r, c) of a [9, 16] SiLU input lands in a full chunk, the same
+  element alone ([1, 16]) in the scalar tail. Measured: rows differ in the last bit.
 - **Attention width.** A query at position p attending over more (masked) keys sums its
   softmax and its probabilities × values in a different order; ``attention.attend``
   therefore runs a verify pass row by row over exactly the keys ``0..p``.
 
-``row_blocked()`` handles the first: while it is active, every ``F.linear`` pads its rows
-(all leading dimensions flattened) with zero rows to a multiple of ``ROW_BLOCK`` = 16 and
-drops them afterwards. ``generate`` and ``speculative_generate`` both run under it — the
-plain decode path computes its one row through the same 16-row GEMM the verify pass uses
-for its k+1 rows — so plain and speculative greedy outputs agree token for token
-(``tests/test_speculative.py`` checks the logits bit for bit per architecture). The
-price is a 16-row GEMM where a GEMV would do: at batch 1 both read the same weights, so
-memory-bound decode costs about the same. RMSNorm, softmax, routing, expert dispatch
-and the all-reduces already work row by row (or element by element) and need nothing.
+``row_blocked()`` (or the decorator ``in_row_blocks``) handles the first two: while it is
+active, every ``F.linear`` pads its rows (all leading dimensions flattened) with zero rows
+to a multiple of ``ROW_BLOCK`` = 16 and drops them afterwards, and SiLU / sigmoid / rsqrt
+run on their input flattened and zero-padded to a multiple of ``VECTOR_BLOCK`` = 64
+elements (every element on the vector path). ``generate`` and ``speculative_generate``
+both run under it — the plain decode path computes its one row through the same 16-row
+GEMM the verify pass uses for its k+1 rows — so plain and speculative greedy outputs
+agree token for token (``tests/test_speculative.py`` checks the logits bit for bit per
+architecture at tp 1 and 2). RMSNorm's reduction, softmax over the last dimension,
+routing, expert dispatch and the all-reduces already work row by row (or element by
+element with exact arithmetic) and need nothing.
+
+Costs: a 16-row GEMM where a GEMV would do (at batch 1 both read the same weights, so a
+memory-bound decode step costs about the same), and the ``TorchFunctionMode`` dispatch,
+a Python call per torch operation: on the tiny CPU test models, whose steps are all
+per-operation overhead, it makes a decode step up to ~1.5× slower; on real model sizes
+it is noise.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +48,25 @@ from torch.overrides import TorchFunctionMode
 ROW_BLOCK = 16
 """Rows of every GEMM under ``row_blocked()`` are padded to a multiple of this."""
 
+VECTOR_BLOCK = 64
+"""Elements of every transcendental elementwise op under ``row_blocked()`` are padded to a
+multiple of this (a whole number of the vectorised loop's chunks: no scalar tail)."""
+
+_ELEMENTWISE = frozenset({F.silu, torch.sigmoid, torch.Tensor.sigmoid, torch.rsqrt, torch.Tensor.rsqrt})
+
 
 class row_blocked(TorchFunctionMode):  # noqa: N801 - used like a function: ``with row_blocked():``
-    """Context (or decorator-free scope) in which ``F.linear`` runs on row blocks of 16."""
+    """Scope in which every ``F.linear`` runs on whole blocks of ``ROW_BLOCK`` rows."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _ELEMENTWISE:
+            x, *rest = args
+            flat = x.reshape(-1)
+            pad = -flat.numel() % VECTOR_BLOCK
+            if pad:
+                flat = F.pad(flat, (0, pad))
+            return func(flat, *rest, **kwargs)[: x.numel()].view(x.shape)
         if func is not F.linear:
             return func(*args, **kwargs)
         x, weight, *rest = args
@@ -48,6 +75,17 @@ class row_blocked(TorchFunctionMode):  # noqa: N801 - used like a function: ``wi
         m = rows.shape[0]
         pad = -m % ROW_BLOCK
         if pad:
-            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+            rows = F.pad(rows, (0, 0, 0, pad))
         out = F.linear(rows, weight, bias)[:m]
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def in_row_blocks(fn):
+    """Decorator: run ``fn`` under a fresh ``row_blocked()``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with row_blocked():
+            return fn(*args, **kwargs)
+
+    return wrapper

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from shardwise.errors import ShardwiseError
+from shardwise.runtime.exact import in_row_blocks
 
 
 @dataclass(frozen=True)
@@ -88,21 +89,9 @@ class _Picker:
         return int(torch.multinomial(probs, 1, generator=self.gen)[0])
 
 
-@torch.no_grad()
-def generate(
-    model,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    sampling: SamplingParams | None = None,
-    eos: set[int] | None = None,
-    tracer=None,
-) -> GenerationResult:
-    """Prefill ``prompt_ids`` then decode up to ``max_new_tokens`` tokens (stopping after EOS).
-
-    Every rank of the model's group must call this with the same arguments. With an
-    attached ``trace.Tracer`` every step (prefill, then each decode token) is timed per
-    layer; without one the loop reads no extra clocks.
-    """
+def check_request(model, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """Raise a one-line ShardwiseError for an empty prompt, ids outside the vocabulary, or
+    a prompt + new tokens that do not fit the model's KV cache."""
     if not prompt_ids:
         raise ShardwiseError("the prompt is empty: pass at least one token")
     if max_new_tokens < 1:
@@ -117,6 +106,27 @@ def generate(
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise ShardwiseError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+
+
+@torch.no_grad()
+@in_row_blocks
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    eos: set[int] | None = None,
+    tracer=None,
+) -> GenerationResult:
+    """Prefill ``prompt_ids`` then decode up to ``max_new_tokens`` tokens (stopping after EOS).
+
+    Every rank of the model's group must call this with the same arguments. With an
+    attached ``trace.Tracer`` every step (prefill, then each decode token) is timed per
+    layer; without one the loop reads no extra clocks. Linear layers run on 16-row blocks
+    (``exact.in_row_blocks``), so each step computes bit for bit what a speculative verify
+    pass computes for its position.
+    """
+    check_request(model, prompt_ids, max_new_tokens)
     eos = eos_ids(model.spec.config) if eos is None else eos
     pick = _Picker(model, sampling or SamplingParams())
     t0 = time.perf_counter()

@@ -6,8 +6,10 @@ Two ways in:
   (spawn, not fork, so no torch state is inherited), each joins an ``env://``
   rendezvous bound to loopback and runs ``fn(rank, world_size, *args)``; the parent
   collects the per-rank return values. It supervises them: when one rank raises, exits
-  or is killed, the others are terminated and the parent raises ``RankFailure``
-  naming the rank that went first.
+  or is killed, the launcher tells every other rank which rank failed (each prints
+  ``[shardwise rank R] stopping: rank F of N failed: …`` and exits 1), stops whoever is
+  still running after a short grace, and raises ``RankFailure`` naming the rank that
+  went first. Ranks name their OS thread ``shardwise-rR`` (``ps``, ``/proc/PID/comm``).
 - ``init_from_env(backend)`` is for processes started by ``torchrun`` across hosts
   (``--nnodes N --node-rank I --master-addr HOST --master-port PORT``), which exports
   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
@@ -16,11 +18,15 @@ Every process group gets a finite ``timeout`` so a collective whose peer vanishe
 without closing its sockets fails after ``timeout_s`` instead of hanging forever; a
 lost TCP connection (a peer process died) fails at once. Each launched rank also runs a
 watchdog thread that exits the rank when its parent (the launcher) disappears, so a
-killed launcher does not leave ranks behind.
+killed launcher does not leave ranks behind, and that carries the launcher's verdict: a
+rank blocked in a collective (or busy) when a peer dies is told which rank failed, so
+its message names it; a rank whose collective failed first waits up to
+``_VERDICT_WAIT_S`` for that verdict before reporting the bare communication error.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import ipaddress
 import multiprocessing
@@ -46,12 +52,12 @@ from shardwise.errors import ShardwiseError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RankContext", "RankFailure", "init_from_env", "launch_local"]
 
-DEFAULT_TIMEOUT_S = 300.0
-"""Process-group timeout (s): rendezvous and any single collective give up after this."""
+from shardwise.runtime import DEFAULT_TIMEOUT_S  # process-group timeout (s) for rendezvous and collectives
 
 _BACKENDS = ("gloo", "nccl")
 _ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-_GRACE_S = 0.5  # after the first failure, time (s) to let other ranks report before stopping them
+_GRACE_S = 2.0  # after the first failure, time (s) for the other ranks to report and exit on their own
+_VERDICT_WAIT_S = 2.0  # a rank whose collective failed waits this long (s) to learn which peer failed
 _TERM_WAIT_S = 3.0  # time (s) between SIGTERM and SIGKILL when stopping a rank
 _WATCHDOG_PERIOD_S = 0.5  # how often (s) a rank checks that its launcher is still alive
 _TEXT_LIMIT = 300  # characters kept of one rank's error text
@@ -167,12 +173,45 @@ def init_from_env(backend: str = "gloo", *, timeout_s: float = DEFAULT_TIMEOUT_S
 # --------------------------------------------------------------------------- inside a rank
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit this rank at once when the launcher that started it is gone."""
+_exit_lock = threading.Lock()  # one report leaves a rank: the main thread's or the watchdog's
+
+
+def _name_process(rank: int) -> None:
+    """Name this process ``shardwise-rR`` for ps/top (Linux only; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(15, f"shardwise-r{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
+
+
+def _report_and_exit(conn: Connection, message: tuple, stderr_text: str) -> None:
+    """Send ``message`` to the launcher, write ``stderr_text``, exit 1 (skipping interpreter
+    teardown, which can block on a broken process group). Only the first caller gets through."""
+    with _exit_lock:
+        sys.stderr.write(stderr_text)
+        try:
+            conn.send(message)
+        except (OSError, pickle.PicklingError):
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _watch_launcher(rank: int, parent_pid: int, ctl: Connection, conn: Connection) -> None:
+    """Exit this rank when the launcher is gone, or when it says another rank failed."""
     while True:
-        time.sleep(_WATCHDOG_PERIOD_S)
+        try:
+            ready = ctl.poll(_WATCHDOG_PERIOD_S)
+            verdict = ctl.recv() if ready else None
+        except (EOFError, OSError):  # the launcher closed its end: it is gone
+            os._exit(1)
         if os.getppid() != parent_pid:
             os._exit(1)
+        if verdict is not None:
+            text = verdict[1]
+            _report_and_exit(conn, ("error", "lost", text), f"[shardwise rank {rank}] stopping: {text}\n")
 
 
 def _is_comm_error(exc: BaseException) -> bool:
@@ -191,28 +230,29 @@ def _rank_main(
     backend: str,
     timeout_s: float,
     conn: Connection,
+    ctl: Connection,
     parent_pid: int,
 ) -> None:
     """Body of a launched rank: join the group, run ``fn``, send back the result."""
     os.environ.update(env)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _name_process(rank)
+    threading.Thread(target=_watch_launcher, args=(rank, parent_pid, ctl, conn), daemon=True).start()
     if "OMP_NUM_THREADS" not in os.environ:  # like torchrun: don't oversubscribe the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         init_from_env(backend, timeout_s=timeout_s)
         result = fn(rank, world_size, *args)
-        conn.send(("ok", result))
+        with _exit_lock:
+            conn.send(("ok", result))
         dist.barrier()  # nobody tears down the store (rank 0) while others still use it
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-        sys.stderr.write(f"[shardwise rank {rank}] {traceback.format_exc()}")
-        try:
-            conn.send(("error", "comm" if _is_comm_error(exc) else "own", _one_line(exc)))
-        except (OSError, pickle.PicklingError):
-            pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # skip interpreter teardown, which can block on a broken process group
+        comm = _is_comm_error(exc)
+        if comm:  # most likely a peer died: the watchdog exits this rank if the launcher says which
+            time.sleep(_VERDICT_WAIT_S)
+        text = _one_line(exc)
+        _report_and_exit(conn, ("error", "comm" if comm else "own", text),
+                         f"[shardwise rank {rank}] {traceback.format_exc()}")
     conn.close()
 
 
@@ -255,8 +295,10 @@ def _describe_exit(code: int | None) -> str:
 class _Supervisor:
     """Watches the ranks' result pipes and process sentinels until done or failed."""
 
-    def __init__(self, procs: list, conns: list[Connection]):
+    def __init__(self, procs: list, conns: list[Connection], ctls: list[Connection]):
         self.procs = procs
+        self.ctls = ctls
+        self.announced = False
         self.open = dict(enumerate(conns))
         self.results: list[Any] = [None] * len(procs)
         self.returned = [False] * len(procs)
@@ -304,27 +346,49 @@ class _Supervisor:
                     self._drain(r)
                     if self.exited[r] != 0 or not self.returned[r]:
                         self.failed_at.setdefault(r, time.monotonic())
+            if self.failed_at and not self.announced:
+                self._announce()
         return not self.failed_at
+
+    def _announce(self) -> None:
+        """Tell every rank still running which rank failed first (they report it and exit)."""
+        self.announced = True
+        first = self._failed_order()[0]
+        text = f"rank {first} of {len(self.procs)} failed: {self._describe(first, short=True)}"
+        for r, (proc, ctl) in enumerate(zip(self.procs, self.ctls)):
+            if r != first and r not in self.exited and proc.is_alive():
+                try:
+                    ctl.send(("failed", text))
+                except OSError:  # it is exiting already
+                    pass
+
+    def _describe(self, r: int, short: bool = False) -> str:
+        code = self.procs[r].exitcode
+        if r in self.reported:
+            kind, text = self.reported[r]
+            if kind == "comm":  # knock-on errors: the first sentence says enough
+                text = text.split(". ")[0]
+            elif kind == "lost":
+                text = "stopped after " + text.split(": ")[0]
+            return text if short else f"{text} ({_describe_exit(code)})"
+        if code == 0:
+            return "exited (exit code 0) without returning a result"
+        return _describe_exit(code)
+
+    def _failed_order(self) -> list[int]:
+        """Failed ranks, own failures before knock-on ones (comm errors, stops), then by time."""
+
+        def order(r: int) -> tuple[int, float]:
+            secondary = self.reported.get(r, ("own", ""))[0] in ("comm", "lost")
+            return (1 if secondary else 0, self.failed_at[r])
+
+        return sorted(self.failed_at, key=order)
 
     def error(self, world_size: int, stopped: list[int], run_timeout_s: float | None) -> RankFailure:
         """The one-line error naming the first failed rank, then the others."""
         codes = [proc.exitcode for proc in self.procs]
-
-        def describe(r: int) -> str:
-            if r in self.reported:
-                kind, text = self.reported[r]
-                if kind == "comm":  # knock-on errors: the first sentence says enough
-                    text = text.split(". ")[0]
-                return f"{text} ({_describe_exit(codes[r])})"
-            if codes[r] == 0:
-                return "exited (exit code 0) without returning a result"
-            return _describe_exit(codes[r])
-
-        def order(r: int) -> tuple[int, float]:  # own failures before knock-on comm errors
-            secondary = self.reported.get(r, ("own", ""))[0] == "comm"
-            return (1 if secondary else 0, self.failed_at[r])
-
-        failed = sorted(self.failed_at, key=order)
+        describe = self._describe
+        failed = self._failed_order()
         tail = f"; stopped rank(s) {', '.join(map(str, stopped))}" if stopped else ""
         if not failed:
             return RankFailure(
@@ -395,16 +459,19 @@ def launch_local(
         env["GLOO_SOCKET_IFNAME"] = loopback
     ctx = multiprocessing.get_context("spawn")
     procs: list = []
-    conns: list[Connection] = []
+    conns: list[Connection] = []  # rank -> launcher: the result or the error
+    ctls: list[Connection] = []  # launcher -> rank: which rank failed
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
+            ctl_reader, ctl_writer = ctx.Pipe(duplex=False)
             conns.append(reader)
+            ctls.append(ctl_writer)
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             proc = ctx.Process(
                 target=_rank_main,
                 args=(fn, rank, world_size, tuple(args), rank_env, backend, timeout_s, writer,
-                      os.getpid()),
+                      ctl_reader, os.getpid()),
                 name=f"shardwise-rank{rank}",
             )
             procs.append(proc)
@@ -417,7 +484,8 @@ def launch_local(
                 ) from exc
             finally:
                 writer.close()
-        supervisor = _Supervisor(procs, conns)
+                ctl_reader.close()
+        supervisor = _Supervisor(procs, conns, ctls)
         if supervisor.run(run_timeout_s):
             return supervisor.results
         stopped = [r for r, proc in enumerate(procs) if proc.is_alive()]
@@ -425,5 +493,5 @@ def launch_local(
         raise supervisor.error(world_size, stopped, run_timeout_s)
     finally:
         _stop([proc for proc in procs if proc.pid is not None])
-        for conn in conns:
+        for conn in conns + ctls:
             conn.close()

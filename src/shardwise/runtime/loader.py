@@ -38,6 +38,7 @@ from safetensors import safe_open
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, local_experts, shard_slice
+from shardwise.quant.mxfp4 import BLOCK_SIZE
 from shardwise.runtime.mxfp4 import decode
 from shardwise.runtime.quantized import BLOCKS, SCALES, Quantization, quantization
 from shardwise.spec.model import ModelSpec, TensorSpec, load_model
@@ -229,6 +230,17 @@ def check_checkpoint(spec: ModelSpec, ckpt: Checkpoint) -> None:
 # ---------------------------------------------------------------------------- reading a shard
 
 
+def _block_cut(tensor: TensorSpec, plan: ParallelPlan, tp_rank: int) -> tuple[tuple[int, int] | None, slice]:
+    """The rank's tensor-parallel cut widened to whole MXFP4 blocks when it splits the input
+    dimension, and where the rank's own slice lies inside the decoded, widened one."""
+    cut = shard_slice(tensor, plan, tp_rank)
+    if cut is None or tensor.tp_dim != len(tensor.shape) - 1:
+        return cut, slice(None)
+    start, stop = cut
+    first, last = start // BLOCK_SIZE * BLOCK_SIZE, -(-stop // BLOCK_SIZE) * BLOCK_SIZE
+    return (first, last), slice(start - first, stop - first)
+
+
 def read_packed(
     plan: ParallelPlan, tp_rank: int, tensor: TensorSpec, ckpt: Checkpoint, quant: Quantization, part: str,
     expert: int | None = None,
@@ -236,14 +248,15 @@ def read_packed(
     """This rank's slice of one half (``part``: blocks or scales) of a packed weight, as stored.
 
     Only the slice is read: the rank's experts along E (fused gpt-oss tensors) and its
-    tensor-parallel cut — whole rows, or whole blocks of the input dimension.
+    tensor-parallel cut — whole rows, or the whole blocks that cover its share of the input
+    dimension (exactly its share for packed parameters: ``check_quantization`` ensures it).
     """
     name = quant.names(tensor, expert)[0 if part == BLOCKS else 1]
     index = [slice(None)] * len(ckpt.shape(name))
     if tensor.expert_dim is not None:
         experts = local_experts(tensor.num_experts, plan, tp_rank)
         index[tensor.expert_dim] = slice(experts.start, experts.stop)
-    cut = shard_slice(tensor, plan, tp_rank)
+    cut, _ = _block_cut(tensor, plan, tp_rank)
     if cut is not None:
         start, stop = cut
         if tensor.tp_dim == len(tensor.shape) - 1:  # input dimension: whole blocks / packed bytes
@@ -262,7 +275,8 @@ def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: Tensor
     if quant.packed(tensor, expert):
         blocks = read_packed(plan, tp_rank, tensor, ckpt, quant, BLOCKS, expert)
         scales = read_packed(plan, tp_rank, tensor, ckpt, quant, SCALES, expert)
-        return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)
+        inner = _block_cut(tensor, plan, tp_rank)[1]
+        return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)[..., inner].contiguous()
     src = sources(spec, tensor, ckpt, expert)
     cut = shard_slice(tensor, plan, tp_rank)
     if src.transposed:  # gpt-oss fused experts stored [E, in, out]

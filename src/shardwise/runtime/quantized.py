@@ -134,20 +134,20 @@ def quantization(spec: ModelSpec) -> Quantization:
 
 
 def check_quantization(spec: ModelSpec, plan: ParallelPlan) -> None:
-    """Raise a one-line ShardwiseError when ``plan`` would cut an MXFP4 block of ``spec``."""
+    """Raise a one-line ShardwiseError when ``plan`` would cut an MXFP4 block of a routed expert
+    (which stays packed in memory; other quantized weights are decoded at load and may be cut anywhere)."""
     quant = quantization(spec)
     if not quant.quantized:
         return
     for tensor in spec.tensors():
-        if not quant.packed(tensor):
+        if not tensor.is_routed or not quant.packed(tensor):
             continue
         full = tensor.shape[-1]
         local = shard_shape(tensor, plan, 0)[-1]
         if full % BLOCK_SIZE == 0 and local % BLOCK_SIZE:
-            fix = f"use --ep {plan.tp}" if tensor.is_routed else "use a smaller --tp"
             raise ShardwiseError(
                 f"MXFP4 tensor '{tensor.name}' would be split into {local}-element slices of its {full} inputs at "
-                f"--tp {plan.tp} --ep {plan.ep}, expected a multiple of {BLOCK_SIZE} (whole blocks): {fix}"
+                f"--tp {plan.tp} --ep {plan.ep}, expected a multiple of {BLOCK_SIZE} (whole blocks): use --ep {plan.tp}"
             )
 
 

@@ -2,18 +2,31 @@
 
 ``run_rank(rank, world_size, request)`` is what ``launch_local`` starts in each local
 process (and what a torchrun-started process calls after ``init_from_env``).
+
+Testing hook: ``SHARDWISE_TEST_SLOW_RANK=RANK:SECONDS`` in the environment makes rank
+RANK sleep SECONDS inside every layer's attention compute (before its all-reduce), so
+tests can show the other ranks' wait time growing in a trace and a straggling rank
+being named. It is read once per run; unset, nothing is added to the model.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, local_experts, rank_param_counts
+
+if TYPE_CHECKING:
+    from shardwise.runtime.speculative import SpecParams
+
+SLOW_RANK_ENV = "SHARDWISE_TEST_SLOW_RANK"
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,22 @@ class RunRequest:
     allreduce: str = "builtin"
     backend: str = "gloo"
     threads: int = 1
+    trace: bool = False  # time every layer of every step (runtime.trace); the report gets "trace"
+    spec: SpecParams | None = None  # speculative decoding (drafter, k); the report gets "speculative"
+    log: bool = False  # rank 0 prints one status line to stderr when generation starts
+
+
+def slow_rank_hook(rank: int) -> float:
+    """Seconds of sleep ``SHARDWISE_TEST_SLOW_RANK`` asks of this rank per layer (0 when unset)."""
+    value = os.environ.get(SLOW_RANK_ENV)
+    if not value:
+        return 0.0
+    try:
+        who, seconds = value.split(":")
+        target, delay = int(who), float(seconds)
+    except ValueError:
+        raise ShardwiseError(f"{SLOW_RANK_ENV}='{value}' must look like RANK:SECONDS, e.g. 1:0.005") from None
+    return delay if target == rank and delay > 0 else 0.0
 
 
 def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
@@ -56,7 +85,27 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
     )
     load_shard(model, Path(request.checkpoint))
     load_s = time.perf_counter() - t0
-    result = generate(model, request.prompt_ids, request.max_new_tokens, sampling)
+    delay = slow_rank_hook(rank)
+    if delay:
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_hook(lambda module, args, out: time.sleep(delay))
+    tracer = None
+    if request.trace:
+        from shardwise.runtime.trace import Tracer
+
+        tracer = Tracer(model, device=next(model.parameters()).device).attach()
+    if request.log and rank == 0:
+        print(f"[shardwise rank 0] loaded in {load_s:.2f} s; generating up to {request.max_new_tokens} tokens",
+              file=sys.stderr, flush=True)
+    speculative = None
+    if request.spec is not None:
+        from shardwise.runtime.speculative import run_speculative
+
+        result, speculative = run_speculative(model, request, sampling, tracer)
+    else:
+        result = generate(model, request.prompt_ids, request.max_new_tokens, sampling, tracer=tracer)
+    if tracer is not None:
+        tracer.detach()
     return {
         "rank": rank,
         "world_size": world_size,
@@ -72,4 +121,6 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
         "planned_params": sum(rank_param_counts(spec, plan, rank).values()),
         "cache_bytes": model.cache_bytes(),
         "experts": list(local_experts(spec.moe.num_experts, plan, rank)) if spec.moe is not None else [],
+        "trace": tracer.export() if tracer is not None else None,
+        "speculative": speculative,
     }

@@ -1,0 +1,178 @@
+"""Decode speed at batch 1 on a >= 1 GB checkpoint: shardwise vs transformers vs the memory roofline.
+
+    PYTHONPATH=src python benchmarks/bench_decode.py [--prompt 32] [--tokens 32] [--threads N] [--rounds 2]
+
+All figures come from this one run on this machine, so the ratios are what to read:
+
+1. **Roofline**: a STREAM-like triad ``a = b + s·c`` and copy in torch over 256 MB float32
+   arrays with ``--threads`` threads, best of several passes → GB/s; the decode ceiling is
+   that bandwidth over the weight bytes one token reads (every layer's weights and the LM
+   head; the embedding reads one row; the KV cache at this context is < 0.1 % and left out).
+2. **shardwise tp=1**: ``generate`` in this process (greedy, static KV cache), decode tok/s.
+3. **transformers**: ``LlamaForCausalLM.generate`` on the same safetensors checkpoint, same
+   dtype, greedy, ``use_cache``; decode tok/s = (N − 1) / (t(N new tokens) − t(1 new token)).
+   Rounds alternate 2 and 3; the best round of each is kept.
+4. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each) and a traced tp=2 run
+   whose per-rank compute / comm / wait shares explain the difference to tp=1.
+
+The checkpoint (llama architecture, hidden 2048, 16 layers, 16 heads / 4 KV heads,
+intermediate 5632, vocab 32000, float32: 853 M parameters, 3.4 GB) is written once with
+random weights under ``$XDG_CACHE_HOME/shardwise/bench-llama-2048x16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 5632,
+    "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "initializer_range": 0.02,
+}
+
+
+def checkpoint() -> Path:
+    """The benchmark checkpoint, written once (random weights, HF layout via save_pretrained)."""
+    from shardwise.runtime.checkpoint import cache_dir
+
+    folder = cache_dir() / "bench-llama-2048x16"
+    if (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists():
+        return folder
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.float32)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="20GB")
+    del model
+    gc.collect()
+    return folder
+
+
+def stream_gbps(threads: int, numel: int = 64 * 1024 * 1024, passes: int = 5) -> dict[str, float]:
+    """Best-of-``passes`` copy and triad bandwidth (GB/s, bytes read + written, no write-allocate)."""
+    torch.set_num_threads(threads)
+    a, b, c = (torch.rand(numel) for _ in range(3))
+    size = numel * 4
+    best = {"copy": 0.0, "triad": 0.0}
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        a.copy_(b)
+        t1 = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        t2 = time.perf_counter()
+        best["copy"] = max(best["copy"], 2 * size / (t1 - t0) / 1e9)
+        best["triad"] = max(best["triad"], 3 * size / (t2 - t1) / 1e9)
+    return best
+
+
+def token_bytes(folder: Path) -> int:
+    """Weight bytes one decode token reads: everything but the embedding table (one row of it)."""
+    from shardwise.runtime.loader import load_spec
+
+    spec = load_spec(folder)
+    total = 0
+    for t in spec.tensors():
+        numel = 1
+        for s in t.shape:
+            numel *= s
+        total += numel * 4 if t.name != "model.embed_tokens.weight" else t.shape[1] * 4
+    return total
+
+
+def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int) -> float:
+    from shardwise.plan import ParallelPlan
+    from shardwise.runtime.generate import generate
+    from shardwise.runtime.loader import load_shard, load_spec
+    from shardwise.runtime.model import ShardedCausalLM
+
+    torch.set_num_threads(threads)
+    model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, "float32", max_seq_len=len(prompt) + tokens)
+    load_shard(model, folder)
+    generate(model, prompt, 4)  # warm-up
+    rate = generate(model, prompt, tokens).decode_tok_per_s
+    del model
+    gc.collect()
+    return rate
+
+
+def transformers_rate(folder: Path, prompt: list[int], tokens: int, threads: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                       pad_token_id=0, attention_mask=torch.ones_like(ids))
+        return time.perf_counter() - t0
+
+    timed(4)  # warm-up
+    one, full = timed(1), timed(tokens)
+    del model
+    gc.collect()
+    return (tokens - 1) / (full - one)
+
+
+def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, trace: bool) -> list[dict]:
+    from shardwise.runtime.launch import launch_local
+    from shardwise.runtime.runner import RunRequest, run_rank
+
+    request = RunRequest(checkpoint=str(folder), prompt_ids=tuple(prompt), max_new_tokens=tokens, tp=2,
+                         threads=threads, trace=trace)
+    return launch_local(run_rank, 2, args=(request,), run_timeout_s=3600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads at tp=1 (tp=2: half per rank)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of shardwise tp=1 and transformers")
+    args = parser.parse_args()
+    folder = checkpoint()
+    prompt = [(7 * i + 3) % CONFIG["vocab_size"] for i in range(args.prompt)]
+    weight_bytes = token_bytes(folder)
+    bw = stream_gbps(args.threads)
+    ceiling = bw["triad"] * 1e9 / weight_bytes
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        ours.append(shardwise_tp1(folder, prompt, args.tokens, args.threads))
+        theirs.append(transformers_rate(folder, prompt, args.tokens, args.threads))
+    half = max(1, args.threads // 2)
+    tp2 = shardwise_tp2(folder, prompt, args.tokens, half, trace=False)[0]["tok_per_s"]
+    traced = shardwise_tp2(folder, prompt, min(args.tokens, 12), half, trace=True)
+    best, hf = max(ours), max(theirs)
+    print(f"llama 2048x16 float32, {weight_bytes / 1e9:.2f} GB read per token, prompt {args.prompt}, "
+          f"tg{args.tokens}, {args.threads} thread(s)")
+    print(f"memory bandwidth: copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s "
+          f"-> roofline {ceiling:.2f} tok/s")
+    print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in ours)})")
+    print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
+    print(f"shardwise / transformers = {best / hf:.2f}x; shardwise / roofline = {100 * best / ceiling:.0f}%")
+    print(f"shardwise tp=2   {tp2:6.2f} tok/s  ({half} thread(s) per rank) = {tp2 / best:.2f}x tp=1")
+    from shardwise.runtime.trace import summarize
+
+    summary = summarize([r["trace"] for r in traced], "bench-llama-2048x16", 2, 1, traced[0]["tok_per_s"])
+    print("traced tp=2 decode step, per rank (ms, share of step):")
+    for r in summary["ranks"]:
+        step = r["step_s"]
+        parts = ", ".join(f"{k[:-2]} {r[k] * 1e3:.1f} ({100 * r[k] / step:.0f}%)"
+                          for k in ("compute_s", "comm_s", "wait_s", "sync_s", "other_s"))
+        print(f"  rank {r['rank']}: step {step * 1e3:.1f} ms = {parts}")
+    print(json.dumps({"roofline_tok_per_s": ceiling, "triad_gbps": bw["triad"], "shardwise_tp1": best,
+                      "transformers": hf, "shardwise_tp2": tp2, "trace_ranks": summary["ranks"]}))
+
+
+if __name__ == "__main__":
+    main()

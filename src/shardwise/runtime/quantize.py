@@ -1,0 +1,348 @@
+"""Write MXFP4 checkpoints (and their dequantized float references) in the Hugging Face layouts.
+
+``quantize_checkpoint(src, out)`` reads a float checkpoint tensor by tensor, encodes the
+chosen weights with the MXFP4 codec (``shardwise.quant.mxfp4.encode``, OCP or round-up
+scales) and writes ``model.safetensors`` plus ``config.json`` with a
+``quantization_config`` the runtime, transformers and vLLM read:
+
+- gpt_oss: the gpt-oss layout, ``{"quant_method": "mxfp4", "modules_to_not_convert":
+  [...]}`` and ``*_blocks`` / ``*_scales`` for the fused expert projections, the layout
+  OpenAI ships; only experts are quantized (what that config can express).
+- other families: compressed-tensors ``mxfp4-pack-quantized`` (``weight_packed`` +
+  ``weight_scale`` per Linear) with ``ignore`` rules for what stays float. By default
+  every attention, dense-MLP, shared- and routed-expert Linear whose input width is a
+  multiple of 32 is quantized; ``experts_only`` keeps all but the routed experts float.
+  Routers, embeddings, the LM head and norms always stay float.
+
+Which tensors end up packed is decided once, written into the config, and then read back
+through ``runtime.quantized.Quantization`` — the same rules the loader uses — so the file
+and the config cannot disagree.
+
+The result records bytes before/after, bits per weight and the relative RMS error per
+tensor group, and (for families the runtime runs) the logits of both checkpoints on a
+fixed prompt at tp = 1 in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from shardwise.errors import ShardwiseError
+from shardwise.plan import ParallelPlan
+from shardwise.quant import mxfp4 as codec
+from shardwise.quant.layouts import CT_MXFP4_FORMAT, LAYOUT_COMPRESSED_TENSORS, LAYOUT_GPT_OSS
+from shardwise.runtime.loader import INDEX_FILE, Checkpoint, check_checkpoint, load_spec, read_shard, sources
+from shardwise.runtime.quantized import Quantization, quantization
+from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec, TensorSpec
+
+FORMATS = ("mxfp4",)
+"""Formats ``quantize`` writes."""
+
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+"""gpt-oss's own ``modules_to_not_convert`` (openai/gpt-oss-20b config.json)."""
+
+PROMPT_LEN = 16
+
+
+def fixed_prompt(vocab_size: int) -> list[int]:
+    """The fixed prompt the logits comparison uses: 16 ids spread over the vocabulary."""
+    return [(7919 * i + 3) % vocab_size for i in range(PROMPT_LEN)]
+
+
+@dataclass
+class GroupStats:
+    """One tensor group's bytes and error; ``err_sq`` / ``ref_sq`` sum over its quantized tensors."""
+
+    params: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    quantized_params: int = 0
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+
+    @property
+    def bits_before(self) -> float:
+        """Stored bits per weight in the source checkpoint."""
+        return 8 * self.bytes_before / self.params if self.params else 0.0
+
+    @property
+    def bits_after(self) -> float:
+        """Stored bits per weight in the new checkpoint (scales included)."""
+        return 8 * self.bytes_after / self.params if self.params else 0.0
+
+    @property
+    def rel_rms(self) -> float:
+        """sqrt(Σ(w − ŵ)² / Σw²) over the group's quantized weights (0 when none is)."""
+        return math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq else 0.0
+
+
+@dataclass
+class QuantizeResult:
+    """What ``quantize_checkpoint`` wrote and the error it introduced."""
+
+    out: Path
+    layout: str
+    scale_rounding: str
+    quantization_config: dict[str, Any]
+    groups: dict[str, GroupStats] = field(default_factory=dict)
+    quantized_tensors: int = 0
+    prompt_ids: list[int] | None = None
+    logits_max_abs: float | None = None
+    logits_rel_rms: float | None = None
+    top1_agreement: float | None = None
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(g.bytes_before for g in self.groups.values())
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(g.bytes_after for g in self.groups.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {
+            "out": str(self.out),
+            "layout": self.layout,
+            "scale_rounding": self.scale_rounding,
+            "quantized_tensors": self.quantized_tensors,
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "groups": {
+                name: {
+                    "params": g.params, "quantized_params": g.quantized_params, "bytes_before": g.bytes_before,
+                    "bytes_after": g.bytes_after, "bits_before": g.bits_before, "bits_after": g.bits_after,
+                    "rel_rms": g.rel_rms,
+                }
+                for name, g in self.groups.items()
+            },
+            "prompt_ids": self.prompt_ids,
+            "logits_max_abs": self.logits_max_abs,
+            "logits_rel_rms": self.logits_rel_rms,
+            "top1_agreement": self.top1_agreement,
+            "quantization_config": self.quantization_config,
+        }
+
+
+# ---------------------------------------------------------------------------- which tensors
+
+
+def _names(tensor: TensorSpec) -> list[int | None]:
+    return list(range(tensor.experts)) if "{e}" in tensor.name else [None]
+
+
+def _module(tensor: TensorSpec, expert: int | None) -> str:
+    name = tensor.name.format(e=expert) if expert is not None else tensor.name
+    return name.removesuffix(".weight")
+
+
+def _generic(module: str) -> str:
+    """Layer and expert indices replaced by placeholders (the key a regex rule can cover)."""
+    return re.sub(r"\.experts\.\d+\.", ".experts.E.", re.sub(r"\.layers\.\d+\.", ".layers.L.", module))
+
+
+def _rule(generic: str) -> str:
+    pattern = re.escape(generic).replace(r"\.layers\.L\.", r"\.layers\.\d+\.").replace(r"\.experts\.E\.", r"\.experts\.\d+\.")
+    return f"re:^{pattern}$"
+
+
+def _compressed_tensors_config(spec: ModelSpec, experts_only: bool) -> dict[str, Any]:
+    """compressed-tensors mxfp4-pack-quantized config; ``ignore`` lists every Linear kept float."""
+    quantize: dict[str, bool] = {}
+    for t in spec.tensors():
+        if t.group not in MATMUL_GROUPS or len(t.shape) != 2 or not t.name.endswith(".weight"):
+            continue
+        wanted = t.shape[1] % codec.BLOCK_SIZE == 0 and (t.group == ROUTED_EXPERTS or not experts_only)
+        for e in _names(t):
+            quantize[_module(t, e)] = wanted
+    by_key: dict[str, list[str]] = {}
+    for module in quantize:
+        by_key.setdefault(_generic(module), []).append(module)
+    ignore = ["lm_head", r"re:.*mlp\.gate$"]
+    for key, modules in by_key.items():
+        if not any(quantize[m] for m in modules):
+            ignore.append(_rule(key))
+        else:
+            ignore.extend(m for m in modules if not quantize[m])
+    weights = {
+        "num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": codec.BLOCK_SIZE,
+        "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8",
+        "zp_dtype": None, "block_structure": None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": CT_MXFP4_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                        "output_activations": None, "format": CT_MXFP4_FORMAT},
+        },
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+    }
+
+
+def quantization_config(spec: ModelSpec, experts_only: bool = False) -> dict[str, Any]:
+    """The ``quantization_config`` ``quantize`` writes for ``spec`` (gpt-oss layout for gpt_oss)."""
+    if spec.family == "gpt_oss":
+        return {"quant_method": "mxfp4", "modules_to_not_convert": list(GPT_OSS_NOT_CONVERTED)}
+    return _compressed_tensors_config(spec, experts_only)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """Tokenizer and generation files next to the weights (everything but weights, index and config)."""
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", INDEX_FILE):
+            shutil.copy2(path, out / path.name)
+
+
+def _write(out: Path, src: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != src.resolve():
+        _copy_side_files(src, out)
+    for stale in (out / INDEX_FILE, *out.glob("*.safetensors")):
+        stale.unlink(missing_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _stored(spec: ModelSpec, tensor: TensorSpec, expert: int | None, data: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Name and on-disk layout (transformers') of a float tensor given in the (out, in) layout."""
+    src = sources(spec, tensor, None, expert)
+    if src.transposed:
+        data = data.transpose(1, 2)
+    return src.name, data.contiguous()
+
+
+def _src_config(src: Path) -> dict[str, Any]:
+    return json.loads((src / "config.json").read_text())
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    fmt: str = "mxfp4",
+    experts_only: bool = False,
+    scale_rounding: str = "ocp",
+    compare: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> QuantizeResult:
+    """Write an MXFP4 copy of float checkpoint ``src`` to ``out``; see the module docstring.
+
+    ``progress`` is called with each tensor's name after it is written; ``compare`` runs
+    both checkpoints on ``fixed_prompt`` (runtime families only).
+    """
+    src, out = Path(src), Path(out)
+    if fmt not in FORMATS:
+        raise ShardwiseError(f"--format {fmt} cannot be written yet: quantize writes {', '.join(FORMATS)}")
+    codec.check_scale_rounding(scale_rounding)
+    if out.exists() and out.resolve() == src.resolve():
+        raise ShardwiseError(f"--out '{out}' is the source checkpoint: pick a new folder")
+    spec = load_spec(src)
+    if spec.quant_method is not None:
+        raise ShardwiseError(
+            f"checkpoint '{src}' is already quantized ({spec.quant_method}): quantize a float32/bfloat16 checkpoint"
+        )
+    if spec.moe is None and experts_only:
+        raise ShardwiseError(f"--experts-only needs routed experts but {spec.name} is dense: drop --experts-only")
+    qc = quantization_config(spec, experts_only)
+    config = {**_src_config(src), "quantization_config": qc}
+    quant = Quantization(LAYOUT_GPT_OSS if spec.family == "gpt_oss" else LAYOUT_COMPRESSED_TENSORS, qc)
+    result = QuantizeResult(out, quant.layout, scale_rounding, qc)
+    plan = ParallelPlan()
+    tensors: dict[str, torch.Tensor] = {}
+    with Checkpoint(src) as ckpt:
+        check_checkpoint(spec, ckpt)
+        for t in spec.tensors():
+            stats = result.groups.setdefault(t.group, GroupStats())
+            for e in _names(t):
+                data = read_shard(spec, plan, 0, t, ckpt, e)
+                stats.params += data.numel()
+                stats.bytes_before += data.numel() * data.element_size()
+                if quant.packed(t, e):
+                    if t.shape[-1] % codec.BLOCK_SIZE:
+                        raise ShardwiseError(
+                            f"tensor '{t.name}' has {t.shape[-1]} inputs, expected a multiple of {codec.BLOCK_SIZE} "
+                            "to quantize it to MXFP4: keep it float"
+                        )
+                    weight = data.float().numpy()
+                    blocks, scales = codec.encode(weight, scale_rounding)
+                    err = codec.decode(blocks, scales, np.float64) - weight
+                    stats.err_sq += float(np.sum(err * err))
+                    stats.ref_sq += float(np.sum(weight.astype(np.float64) ** 2))
+                    stats.quantized_params += data.numel()
+                    blocks_name, scales_name = quant.names(t, e)
+                    blocks_shape, _ = quant.stored_shapes(t.shape)
+                    tensors[blocks_name] = torch.from_numpy(np.ascontiguousarray(blocks.reshape(blocks_shape)))
+                    tensors[scales_name] = torch.from_numpy(np.ascontiguousarray(scales))
+                    stats.bytes_after += blocks.nbytes + scales.nbytes
+                    result.quantized_tensors += 1
+                    if progress is not None:
+                        progress(blocks_name)
+                else:
+                    name, stored = _stored(spec, t, e, data)
+                    tensors[name] = stored
+                    stats.bytes_after += stored.numel() * stored.element_size()
+                    if progress is not None:
+                        progress(name)
+    _write(out, src, config, tensors)
+    if compare:
+        _compare(src, out, result)
+    return result
+
+
+def _compare(src: Path, out: Path, result: QuantizeResult) -> None:
+    """Logits of both checkpoints on the fixed prompt, float32, tp = 1, in this process."""
+    from shardwise.runtime.loader import load_shard
+    from shardwise.runtime.model import RUNTIME_FAMILIES, ShardedCausalLM
+
+    spec = load_spec(src)
+    if spec.family not in RUNTIME_FAMILIES:
+        return
+    ids = fixed_prompt(spec.vocab_size)
+    logits = []
+    for folder in (src, out):
+        model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, torch.float32, max_seq_len=len(ids))
+        load_shard(model, folder)
+        with torch.no_grad():
+            logits.append(model.logits(torch.tensor([ids]))[0].double())
+        del model
+    before, after = logits
+    result.prompt_ids = ids
+    result.logits_max_abs = float((after - before).abs().max())
+    result.logits_rel_rms = float((after - before).norm() / before.norm())
+    result.top1_agreement = float((after.argmax(-1) == before.argmax(-1)).double().mean())
+
+
+def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a float copy of MXFP4 checkpoint ``src`` whose weights equal decode(blocks, scales) exactly
+    (float32; bfloat16 holds them exactly too unless a scale leaves bfloat16's range), without
+    ``quantization_config`` — the reference a quantized run must match."""
+    src, out = Path(src), Path(out)
+    spec = load_spec(src)
+    quantization(spec)
+    config = {k: v for k, v in _src_config(src).items() if k != "quantization_config"}
+    plan = ParallelPlan()
+    tensors: dict[str, torch.Tensor] = {}
+    with Checkpoint(src) as ckpt:
+        check_checkpoint(spec, ckpt)
+        for t in spec.tensors():
+            for e in _names(t):
+                name, stored = _stored(spec, t, e, read_shard(spec, plan, 0, t, ckpt, e).to(dtype))
+                tensors[name] = stored
+    _write(out, src, config, tensors)
+    return out

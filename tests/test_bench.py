@@ -1,0 +1,96 @@
+"""`shardwise bench`: calibrated prediction terms, the bench JSON schema, and an end-to-end tp=2 run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.bench import OpCounts, bench_document, calibrated_profile, predict
+from shardwise.runtime.checkpoint import make_checkpoint
+from shardwise.runtime.loader import load_spec
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TRACE_LAYER_KEYS = {"layer", "kind", "rank", "compute_s", "comm_s", "wait_s"}
+
+
+def _probe_doc(alpha=100e-6, beta_gbps=1.0, op_s=10e-6, overhead=20e-6) -> dict:
+    return {
+        "kind": "probe", "world_size": 2, "op_overhead_s": op_s, "tflops": {"fp32": 0.05, "bf16": 0.01},
+        "collective_overhead_s": {"rd": overhead, "ring": 2 * overhead},
+        "ring_fit": {"alpha_s": alpha, "beta_gbps": beta_gbps},
+        "cluster": {"cluster": {"box": "cpu-host", "link": "loopback-tcp", "boxes": 2, "measured": {
+            "source": "test", "memory_bandwidth_gbps": 10.0, "link_latency_s": alpha, "link_bandwidth_gbps": beta_gbps}}},
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_checkpoint("llama-3.1-8b", "tiny", tmp_path_factory.mktemp("llama"), seed=3)
+
+
+def test_prediction_terms_come_from_the_probe(tiny_llama):
+    spec = load_spec(tiny_llama)
+    probe = _probe_doc()
+    ops = OpCounts(layers=(100.0, 120.0), other=50.0)
+    profile = calibrated_profile(probe, "rd", ops)
+    assert profile.step_overhead_s == pytest.approx(270 * 10e-6)
+    assert profile.collective_overhead_s == pytest.approx(20e-6) and profile.allreduce == ("rd",)
+    pred = predict(spec, 2, 1, "float32", 16, probe, "rd", ops)
+    ar = 100e-6 + 64 * 2 / 1e9  # rd over 2 ranks: α + n/β, n = hidden 64 x 2 bytes (the planner's bf16 wire)
+    assert pred["allreduce_s"] == pytest.approx(ar)
+    for row, n_ops in zip(pred["layers"], ops.layers):
+        assert row["predicted_comm_s"] == pytest.approx(2 * (ar + 20e-6))
+        assert row["predicted_compute_s"] > n_ops * 10e-6  # host ops plus the roofline term
+        assert row["predicted_compute_s"] < n_ops * 10e-6 * 1.5  # a tiny model is all host overhead
+    assert pred["tok_per_s"] == pytest.approx(1 / pred["step_s"])
+    one = predict(spec, 1, 1, "float32", 16, probe, "builtin", ops)
+    assert all(row["predicted_comm_s"] == 0 for row in one["layers"]) and one["collective_s"] == 0
+
+
+def test_bench_document_schema():
+    summary = {"measured_tok_per_s": 90.0, "decode_steps": 7, "ranks": [], "layers": [
+        {"layer": 0, "kind": "gqa", "mlp": "dense", "rank": r, "compute_s": 2e-3, "comm_s": 1e-3, "wait_s": 1e-4,
+         "sync_s": 1e-4, "last_arrival_share": 0.5} for r in (0, 1)]}
+    prediction = {"tok_per_s": 110.0, "step_s": 1 / 110, "layers": [
+        {"layer": 0, "predicted_compute_s": 2.5e-3, "predicted_comm_s": 0.5e-3}]}
+    doc = bench_document("tiny", 2, 1, "rd", 100.0, summary, prediction)
+    assert doc["kind"] == "bench" and doc["model"] == "tiny"
+    assert doc["predicted_tok_per_s"] == 110.0 and doc["measured_tok_per_s"] == 100.0
+    assert doc["error"] == pytest.approx(0.1)
+    for row in doc["layers"]:
+        assert TRACE_LAYER_KEYS <= set(row)
+        assert row["compute_error"] == pytest.approx(0.25) and row["comm_error"] == pytest.approx(-0.5)
+        assert row["predicted_wait_s"] == 0.0
+    assert [t["rank"] for t in doc["totals"]["comm"]] == [0, 1]
+
+
+def test_bench_cli_tp2_writes_json_and_chrome_trace(tiny_llama, tmp_path):
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    probe = tmp_path / "probe.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "shardwise", "probe", "--ranks", "2", "--max-bytes", "262144", "--iters", "3",
+         "--algorithms", "ring,rd,oneshot", "--triad-mb", "8", "--matmul-size", "64", "--json-out", str(probe), "--json"],
+        capture_output=True, text=True, timeout=200, env=env)
+    assert done.returncode == 0, done.stderr
+    out, trace = tmp_path / "bench.json", tmp_path / "bench.trace.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "shardwise", "bench", str(tiny_llama), "--tp", "2", "--probe", str(probe),
+         "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--out", str(out), "--trace", str(trace), "--json"],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "bench" and doc["model"] and doc["tp"] == 2
+    assert doc["predicted_tok_per_s"] > 0 and doc["measured_tok_per_s"] > 0
+    assert doc["allreduce"] in ("ring", "rd", "oneshot")
+    assert {(r["layer"], r["rank"]) for r in doc["layers"]} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for row in doc["layers"]:
+        assert TRACE_LAYER_KEYS | {"predicted_compute_s", "predicted_comm_s"} <= set(row)
+        assert row["predicted_comm_s"] > 0 and row["comm_s"] > 0 and row["compute_s"] > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {"rank 0", "rank 1", "predicted (planner)"} <= names
