@@ -43,7 +43,7 @@ from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.controlled import counting, derive_checkpoint, perturb_lm_head
 from shardwise.runtime.launch import launch_local
 
-NOISE = (0.0, 0.6, 0.8, 0.95, 1.1, 1.3, 1.6)
+NOISE = (0.0, 1.6, 2.0, 2.4, 2.9, 3.5, 4.5)
 OPEN = [int(t) for t in torch.randperm(512, generator=torch.Generator().manual_seed(11))[:64]]
 COPY = list(range(100, 228)) + OPEN[:16] + [100]
 
@@ -53,7 +53,12 @@ def _rank(rank: int, world: int, target: str, drafts: list[str], k: int, tokens:
     from shardwise.runtime.generate import generate
     from shardwise.runtime.loader import load_shard, load_spec
     from shardwise.runtime.model import ShardedCausalLM
-    from shardwise.runtime.speculative import SpecParams, build_drafter, speculative_generate, speculative_summary
+    from shardwise.runtime.speculative import (
+        SpecParams,
+        build_drafter,
+        speculative_generate,
+        speculative_summary,
+    )
 
     torch.set_num_threads(1)
     model = ShardedCausalLM(load_spec(target), ParallelPlan(tp=world), rank, torch.float32,

@@ -154,6 +154,8 @@ def test_bad_trace_input(llama, tmp_path, monkeypatch):
     proc = _run(llama, tmp_path / "missing" / "t.json")
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: --trace {tmp_path / 'missing' / 't.json'}: folder '{tmp_path / 'missing'}' does not exist"
+    proc = _run(llama, tmp_path / "t.json", "--timeout", "0")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --timeout must be > 0 seconds, got 0"
     monkeypatch.setenv("SHARDWISE_TEST_SLOW_RANK", "one:fast")
     with pytest.raises(ShardwiseError, match="must look like RANK:SECONDS"):
         slow_rank_hook(0)

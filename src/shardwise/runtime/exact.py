@@ -55,7 +55,7 @@ multiple of this (a whole number of the vectorised loop's chunks: no scalar tail
 _ELEMENTWISE = frozenset({F.silu, torch.sigmoid, torch.Tensor.sigmoid, torch.rsqrt, torch.Tensor.rsqrt})
 
 
-class row_blocked(TorchFunctionMode):  # noqa: N801 - used like a function: ``with row_blocked():``
+class row_blocked(TorchFunctionMode):  # lower case: used like a function, ``with row_blocked():``
     """Scope in which every ``F.linear`` runs on whole blocks of ``ROW_BLOCK`` rows."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -44,7 +44,13 @@ from typing import Any
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.runtime.drafters import DraftModel, Drafter, PromptLookup, check_draft, check_ngram
+from shardwise.runtime.drafters import (
+    Drafter,
+    DraftModel,
+    PromptLookup,
+    check_draft,
+    check_ngram,
+)
 from shardwise.runtime.exact import in_row_blocks
 from shardwise.runtime.generate import (
     GenerationResult,

@@ -262,7 +262,8 @@ def chrome_trace(ranks: list[dict[str, Any]], meta: dict[str, Any] | None = None
 def summarize(
     ranks: list[dict[str, Any]], model: str, tp: int, ep: int, measured_tok_per_s: float
 ) -> dict[str, Any]:
-    """The summary the report reads: per layer and rank, means over decode steps (seconds).
+    """The summary the report reads: per layer and rank, means over the steps after prefill
+    (decode steps, and speculative verify steps when there are any), in seconds.
 
     ``{"kind": "trace", "model", "tp", "ep", "measured_tok_per_s", "decode_steps",
     "layers": [{"layer", "kind", "mlp", "rank", "compute_s", "comm_s", "wait_s", "sync_s",
@@ -277,7 +278,7 @@ def summarize(
     ranks_out: list[dict[str, Any]] = []
     steps_n = 0
     for r in ranks:
-        decode = {i for i, s in enumerate(r["steps"]) if s[0] == "decode"}
+        decode = {i for i, s in enumerate(r["steps"]) if s[0] != "prefill"}
         steps_n = len(decode)
         n = max(len(decode), 1)
         acc: dict[int, list[float]] = {}
