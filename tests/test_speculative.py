@@ -138,7 +138,7 @@ def _rank_cases(rank: int, world_size: int, cases: list, poison: bool) -> list[d
             models[target, world_size] = _load(target, world_size, rank)
         model = models[target, world_size]
         if (target, tuple(prompt)) not in plain:
-            plain[target, tuple(prompt)] = generate(model, prompt, NEW, eos=set()).tokens
+            plain[target, tuple(prompt)] = generate(model, prompt, NEW, eos=set(), exact=True).tokens
         row = {"bitwise": _verify_equals_steps(model) if label == "ngram/repeat" else True,
                "plain": plain[target, tuple(prompt)], "spec": {}, "acceptance": {}}
         for k in ks:

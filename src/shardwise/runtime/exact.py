@@ -22,19 +22,20 @@ things break that on CPU:
 active, every ``F.linear`` pads its rows (all leading dimensions flattened) with zero rows
 to a multiple of ``ROW_BLOCK`` = 16 and drops them afterwards, and SiLU / sigmoid / rsqrt
 run on their input flattened and zero-padded to a multiple of ``VECTOR_BLOCK`` = 64
-elements (every element on the vector path). ``generate`` and ``speculative_generate``
-both run under it — the plain decode path computes its one row through the same 16-row
-GEMM the verify pass uses for its k+1 rows — so plain and speculative greedy outputs
-agree token for token (``tests/test_speculative.py`` checks the logits bit for bit per
-architecture at tp 1 and 2). RMSNorm's reduction, softmax over the last dimension,
-routing, expert dispatch and the all-reduces already work row by row (or element by
-element with exact arithmetic) and need nothing.
+elements (every element on the vector path). ``speculative_generate`` runs under it, and
+``generate(..., exact=True)`` does too — then the plain decode path computes its one row
+through the same 16-row GEMM the verify pass uses for its k+1 rows, so plain and speculative
+greedy outputs agree token for token (``tests/test_speculative.py`` checks the logits bit
+for bit per architecture at tp 1 and 2). RMSNorm's reduction, softmax over the last
+dimension, routing, expert dispatch and the all-reduces already work row by row (or
+element by element with exact arithmetic) and need nothing.
 
-Costs: a 16-row GEMM where a GEMV would do (at batch 1 both read the same weights, so a
-memory-bound decode step costs about the same), and the ``TorchFunctionMode`` dispatch,
-a Python call per torch operation: on the tiny CPU test models, whose steps are all
-per-operation overhead, it makes a decode step up to ~1.5× slower; on real model sizes
-it is noise.
+Costs: a 16-row GEMM where a GEMV would do, and the ``TorchFunctionMode`` dispatch, a Python
+call per torch operation. On CPU the 16-row GEMM is not free: a 2048x5632 float32 weight
+streams at ~17.9 GB/s as a GEMV but ~4.6 GB/s padded to 16 rows, and decode of a 3.4 GB
+checkpoint ran 3.9x slower (benchmarks/bench_decode.py). So plain ``generate`` runs
+one-row matmuls unless asked for ``exact``; its greedy tokens can then differ from a
+speculative run's only where two logits tie to the last bits.
 """
 
 from __future__ import annotations

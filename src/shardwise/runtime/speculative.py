@@ -22,10 +22,11 @@ Every rank runs the same loop (like ``generate``):
    pass simply starts at the accepted length and overwrites them; the drafter is told
    the accepted length (``rollback``) and drops its own state past it.
 
-Greedy speculative output is token-for-token the plain greedy output: the verify pass
-computes every position's logits bit for bit as a single-token step would
-(``runtime.exact``: linears on 16-row blocks in both paths, attention row by row over
-each position's own keys). Sampling output has the plain sampling distribution, not the
+Greedy speculative output is token-for-token the plain greedy output of
+``generate(..., exact=True)``: the verify pass computes every position's logits bit for bit
+as a single-token step would (``runtime.exact``: linears on 16-row blocks in both paths,
+attention row by row over each position's own keys). The default plain path runs faster
+one-row matmuls, which can differ in the last bits. Sampling output has the plain sampling distribution, not the
 same draws.
 
 Metrics (``speculative_summary``): drafted and accepted tokens, acceptance by draft
