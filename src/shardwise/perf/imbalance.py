@@ -30,22 +30,31 @@ def max_load_pmf(num_experts: int, top_k: int, ep: int) -> tuple[float, ...]:
     cdf = []
     for cap in range(top_k + 1):
         # Ways to pick top_k experts with every group holding <= cap: coefficient of x^top_k in
-        # (sum_{j<=cap} C(per, j) x^j)^ep. Exact integer arithmetic.
-        poly = [comb(per, j) if j <= cap else 0 for j in range(min(per, cap) + 1)]
-        acc = [1]
-        for _ in range(ep):
-            nxt = [0] * min(len(acc) + len(poly) - 1, top_k + 1)
-            for i, a in enumerate(acc):
-                if a == 0:
-                    continue
-                for j, b in enumerate(poly):
-                    if i + j > top_k:
-                        break
-                    nxt[i + j] += a * b
-            acc = nxt
-        ways = acc[top_k] if top_k < len(acc) else 0
-        cdf.append(ways / total)
+        # (sum_{j<=cap} C(per, j) x^j)^ep, by exact integer polynomial powers (truncated at top_k).
+        poly = [comb(per, j) for j in range(min(per, cap) + 1)]
+        cdf.append(_power_coefficient(poly, ep, top_k) / total)
     return tuple(cdf[c] - (cdf[c - 1] if c else 0.0) for c in range(top_k + 1))
+
+
+def _multiply(a: list[int], b: list[int], degree: int) -> list[int]:
+    out = [0] * min(len(a) + len(b) - 1, degree + 1)
+    for i, x in enumerate(a):
+        if x:
+            for j, y in enumerate(b[: degree + 1 - i]):
+                out[i + j] += x * y
+    return out
+
+
+def _power_coefficient(poly: list[int], exponent: int, degree: int) -> int:
+    """Coefficient of x^degree in poly^exponent (square-and-multiply, truncated at degree)."""
+    result, base = [1], poly
+    while exponent:
+        if exponent & 1:
+            result = _multiply(result, base, degree)
+        exponent >>= 1
+        if exponent:
+            base = _multiply(base, base, degree)
+    return result[degree] if degree < len(result) else 0
 
 
 def expected_max_load(num_experts: int, top_k: int, ep: int) -> float:
