@@ -49,13 +49,12 @@ class OpCounts:
 def count_rank_ops(rank: int, world: int, checkpoint: str, tp: int, ep: int, dtype: str,
                    prompt_ids: tuple[int, ...], steps: int = 4) -> dict[str, Any]:
     """Inside a one-process group: load rank 0's shard of a ``tp``-way plan and count the
-    aten ops of ``steps`` greedy decode steps, per layer and in total (under the same
-    row-blocked linears ``generate`` uses; collectives are no-ops on one rank)."""
+    aten ops of ``steps`` greedy decode steps, per layer and in total (the plain decode path
+    ``generate`` runs; collectives are no-ops on one rank)."""
     import torch
 
     from shardwise.plan import ParallelPlan
     from shardwise.probe import op_counter
-    from shardwise.runtime.exact import row_blocked
     from shardwise.runtime.loader import load_shard, load_spec
     from shardwise.runtime.model import ShardedCausalLM
 
@@ -76,7 +75,7 @@ def count_rank_ops(rank: int, world: int, checkpoint: str, tp: int, ep: int, dty
     for index, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(lambda m, a, i=index: start(i))
         layer.register_forward_hook(lambda m, a, o, i=index: end(i))
-    with torch.no_grad(), row_blocked():
+    with torch.no_grad():
         token = int(model.lm_head.greedy(model(torch.tensor([list(prompt_ids)]), 0)[:, -1])[0])
         with counter:
             for pos in range(len(prompt_ids), len(prompt_ids) + steps):

@@ -49,7 +49,7 @@ _SPECIAL = ("<|bos|>", "<|eos|>", "<|pad|>")
 _TINY = dict(hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=128, vocab_size=512)
 
 
-def _shrink(config: dict[str, Any]) -> dict[str, Any]:
+def shrink_config(config: dict[str, Any]) -> dict[str, Any]:
     """The catalog config with tiny sizes, every layer kind kept, no quantization."""
     cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     kind = cfg.get("model_type")
@@ -117,7 +117,7 @@ def make_checkpoint(
     if out_dir is None:
         raise ShardwiseError("make-checkpoint needs an output folder: pass --out DIR")
     text = resources.files("shardwise.spec.catalog.models").joinpath(f"{model_key}.json").read_text()
-    config = {**_shrink(json.loads(text)), **(overrides or {})}
+    config = {**shrink_config(json.loads(text)), **(overrides or {})}
     tok = _tokenizer(config["vocab_size"])
     config["bos_token_id"] = tok.token_to_id("<|bos|>")
     config["eos_token_id"] = tok.token_to_id("<|eos|>")
