@@ -162,3 +162,20 @@ def test_two_documents_of_one_kind_are_refused(tmp_path):
     b.write_text(doc)
     res = _cli("report", str(a), str(b), "-o", str(tmp_path / "x.html"))
     assert res.returncode == 2 and "two plan documents" in res.stderr
+
+
+def test_report_from_a_real_runtime_trace(tmp_path):
+    """`shardwise run --trace` on a tiny checkpoint, then `shardwise report` on its summary:
+    the runtime's own document draws the measured timeline in Chromium."""
+    ckpt = tmp_path / "ckpt"
+    made = _cli("make-checkpoint", "--model", "llama-3.1-8b", "--scale", "tiny", "--out", str(ckpt))
+    assert made.returncode == 0, made.stderr
+    trace = tmp_path / "t.json"
+    ran = _cli("run", str(ckpt), "--tp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--trace", str(trace))
+    assert ran.returncode == 0, ran.stderr
+    summary = tmp_path / "t.summary.json"
+    html = tmp_path / "trace.html"
+    made = _cli("report", str(summary), "-o", str(html))
+    assert made.returncode == 0, made.stderr
+    _check_rendered(html, ("timeline",))
+    assert "rank 1 measured" in html.read_text()

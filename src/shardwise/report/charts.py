@@ -221,15 +221,19 @@ def trace_timeline_rows(run: RunDocument) -> list[tuple[str, list]]:
     by_layer: dict[int, list] = {}
     for e in run.layers:
         by_layer.setdefault(e.layer, []).append(e)
-    slowest = {layer: max(e.predicted_compute_s + e.predicted_comm_s for e in es) for layer, es in by_layer.items()}
+    predicted = all(e.has_prediction for e in run.layers)
+    slowest = {
+        layer: max(e.predicted_compute_s + e.predicted_comm_s for e in es) for layer, es in by_layer.items()
+    } if predicted else {}
     rows = []
     for rank in sorted({e.rank for e in run.layers}):
         mine = sorted((e for e in run.layers if e.rank == rank), key=lambda e: e.layer)
         rows.append((f"rank {rank} measured", [(e.layer, e.compute_s, e.comm_s, e.wait_s) for e in mine]))
-        rows.append((f"rank {rank} predicted", [
-            (e.layer, e.predicted_compute_s, e.predicted_comm_s,
-             slowest[e.layer] - e.predicted_compute_s - e.predicted_comm_s) for e in mine
-        ]))
+        if predicted:
+            rows.append((f"rank {rank} predicted", [
+                (e.layer, e.predicted_compute_s, e.predicted_comm_s,
+                 slowest[e.layer] - e.predicted_compute_s - e.predicted_comm_s) for e in mine
+            ]))
     return rows
 
 
@@ -248,10 +252,14 @@ def timeline(plan: dict | None, trace: RunDocument | None) -> Chart:
     fig.update_layout(**{**_LAYOUT, "height": max(300, 22 * len(labels) + 120)}, barmode="overlay",
                       xaxis_title="time into the decode step (ms)", yaxis_title="rank",
                       yaxis=dict(categoryorder="array", categoryarray=labels[::-1]))
-    if trace is not None:
+    if trace is not None and trace.predicted_tok_per_s is not None:
         caption = (f"Per-layer timeline of one decode step of {trace.model} on each of {len(labels) // 2} ranks: "
                    f"compute, communication and waiting for the slowest rank, measured rows above predicted ones "
                    f"({_fmt(trace.measured_tok_per_s)} tok/s measured vs {_fmt(trace.predicted_tok_per_s)} predicted).")
+    elif trace is not None:
+        caption = (f"Measured per-layer timeline of one decode step of {trace.model} on each of {len(labels)} ranks: "
+                   f"compute, communication and waiting for the slowest rank ({_fmt(trace.measured_tok_per_s)} tok/s); "
+                   f"run `shardwise bench` for the predicted rows beside them.")
     else:
         caption = (f"Predicted per-layer timeline of one decode step of {_label(plan)} on each of {len(labels)} ranks: "
                    f"compute, communication (the step's collectives spread evenly over layers) and waiting on other "

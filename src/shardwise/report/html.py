@@ -77,14 +77,18 @@ def build_charts(inputs: Inputs) -> tuple[list[charts.Chart], list[str]]:
         out.append(charts.pareto(inputs.sweep, plan))
     else:
         notes.append("no Pareto chart: pass a sweep (`shardwise sweep --json > sweep.json`)")
-    if inputs.trace is not None or plan is not None:
-        out.append(charts.timeline(plan, inputs.trace))
-        if inputs.trace is None:
+    # A bench carries measured and predicted per-layer rows; a raw trace only measured ones.
+    timed = inputs.bench if inputs.bench is not None and inputs.bench.layers else inputs.trace
+    if timed is not None or plan is not None:
+        out.append(charts.timeline(plan, timed))
+        if timed is None:
             notes.append("the timeline is predicted only: pass a trace (the runtime's --trace JSON) to compare")
     else:
-        notes.append("no timeline: pass a plan or a trace")
+        notes.append("no timeline: pass a plan, a bench or a trace")
     if not out:
-        raise ShardwiseError("nothing to draw: pass a plan, sweep or trace document (or no input for the default report)")
+        raise ShardwiseError(
+            "nothing to draw: pass a plan, sweep, bench or trace document (or no input for the default report)"
+        )
     return out, notes
 
 
@@ -128,8 +132,8 @@ def build_report(inputs: Inputs, subtitle: str) -> tuple[str, list[charts.Chart]
     title = "shardwise report"
     if inputs.plan is not None:
         title += f": {charts._label(inputs.plan)}"
-    elif inputs.trace is not None:
-        title += f": {inputs.trace.model}"
+    elif inputs.run is not None:
+        title += f": {inputs.run.model}"
     return render_html(chart_list, title, subtitle, notes), chart_list, notes
 
 

@@ -22,7 +22,9 @@
     }
 
   ``kind`` is free text for the layer's part (attention, moe, mlp, ...); seconds are one
-  decode step's. A trace must list layers; a bench may leave them out.
+  decode step's. A trace must list layers; a bench may leave them out. A raw runtime trace
+  (``shardwise run --trace``'s ``*.summary.json``) has no ``predicted_*`` fields: the report
+  then draws its measured rows only. Other keys (``mlp``, ``sync_s``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ SWEEP_ROW_KEYS = ("model", "box", "boxes", "link", "tp", "ep", "pp", "tok_per_s"
 
 
 class LayerTiming(BaseModel):
-    """One layer on one rank in one decode step (seconds)."""
+    """One layer on one rank in one decode step (seconds). Extra keys the runtime writes
+    (``mlp``, ``sync_s``, per-term errors, ...) are ignored."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     layer: int = Field(ge=0)
     kind: str
@@ -50,18 +53,23 @@ class LayerTiming(BaseModel):
     compute_s: float = Field(ge=0)
     comm_s: float = Field(ge=0)
     wait_s: float = Field(ge=0)
-    predicted_compute_s: float = Field(ge=0)
-    predicted_comm_s: float = Field(ge=0)
+    predicted_compute_s: float | None = Field(default=None, ge=0)
+    predicted_comm_s: float | None = Field(default=None, ge=0)
+
+    @property
+    def has_prediction(self) -> bool:
+        """True when the entry carries the planner's per-layer terms (a bench, not a raw trace)."""
+        return self.predicted_compute_s is not None and self.predicted_comm_s is not None
 
 
 class RunDocument(BaseModel):
-    """A bench or trace document (schema in the module docstring)."""
+    """A bench or trace document (schema in the module docstring; other keys ignored)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     kind: Literal["bench", "trace"]
     model: str = Field(min_length=1)
-    predicted_tok_per_s: float = Field(gt=0)
+    predicted_tok_per_s: float | None = Field(default=None, gt=0)
     measured_tok_per_s: float = Field(gt=0)
     source: str = ""
     box: str | None = None
@@ -77,6 +85,8 @@ class RunDocument(BaseModel):
     def _trace_has_layers(self):
         if self.kind == "trace" and not self.layers:
             raise ValueError("a trace needs at least one entry in layers")
+        if self.kind == "bench" and self.predicted_tok_per_s is None:
+            raise ValueError("a bench needs predicted_tok_per_s")
         seen = set()
         for entry in self.layers:
             key = (entry.layer, entry.rank)
