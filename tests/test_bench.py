@@ -73,7 +73,7 @@ def test_bench_cli_tp2_writes_json_and_chrome_trace(tiny_llama, tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     probe = tmp_path / "probe.json"
     done = subprocess.run(
-        [sys.executable, "-m", "shardwise", "probe", "--ranks", "2", "--max-bytes", "262144", "--iters", "3",
+        [sys.executable, "-m", "shardwise", "probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3",
          "--algorithms", "ring,rd,oneshot", "--triad-mb", "8", "--matmul-size", "64", "--json-out", str(probe), "--json"],
         capture_output=True, text=True, timeout=200, env=env)
     assert done.returncode == 0, done.stderr

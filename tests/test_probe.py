@@ -70,13 +70,13 @@ def test_auto_picks_what_best_allreduce_says(n_bytes, ranks):
 
 def test_probe_writes_a_cluster_file_that_plan_reads(tmp_path):
     out, doc_path = tmp_path / "cluster.toml", tmp_path / "probe.json"
-    done = _cli("probe", "--ranks", "2", "--max-bytes", "1048576", "--iters", "3", "--algorithms", "ring,rd",
+    done = _cli("probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3", "--algorithms", "ring,rd",
                 "--triad-mb", "8", "--matmul-size", "64", "--out", str(out), "--json-out", str(doc_path))
     assert done.returncode == 0, done.stderr
     assert "all-reduce ring" in done.stdout and "busbw" in done.stdout
     doc = json.loads(doc_path.read_text())
     rows = doc["collectives"]["ring"]
-    assert [r["bytes"] for r in rows] == message_sizes(8, 1 << 20)
+    assert [r["bytes"] for r in rows] == message_sizes(8, 1 << 22)
     for r in rows:
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(p-1)/p = 1 at p = 2

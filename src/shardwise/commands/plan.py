@@ -16,6 +16,24 @@ from shardwise.errors import ShardwiseError
 SEED = {"model": "kimi-k3", "box": "dgx-spark", "boxes": 16, "link": "100g-roce"}
 
 
+def decode_inputs(kv_dtype: str, spec_tokens: int, acceptance: float | None, workload: str | None) -> tuple[float, float]:
+    """(KV-cache bytes per element, draft acceptance) from the CLI flags, checked (one-line errors)."""
+    from shardwise.perf.speculative import check_spec, resolve_acceptance
+
+    kv_bytes = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp32": 4.0}.get(kv_dtype)
+    if kv_bytes is None:
+        raise ShardwiseError(f"--kv-dtype '{kv_dtype}' is unknown: use bf16, fp16, fp8 or fp32")
+    if spec_tokens < 0:
+        raise ShardwiseError(f"--spec-tokens must be >= 0, got {spec_tokens}")
+    acc = 0.0
+    if spec_tokens:
+        acc = resolve_acceptance(acceptance, workload)
+        check_spec(spec_tokens, acc)
+    elif acceptance is not None:
+        check_spec(1, acceptance)
+    return kv_bytes, acc
+
+
 def build_scenario(
     model: str, box: str, boxes: int | None, link: str, tp: int | None, ep: int | None, pp: int | None,
     context: int, prompt_tokens: int, spec_tokens: int, acceptance: float | None, workload: str | None,
@@ -25,7 +43,6 @@ def build_scenario(
     """Resolve CLI inputs into a validated Scenario (one-line errors on bad input)."""
     from shardwise.perf.estimate import Scenario
     from shardwise.perf.profiles import get_profile
-    from shardwise.perf.speculative import check_spec, resolve_acceptance
     from shardwise.plan import ParallelPlan, default_plan, validate_plan
     from shardwise.quant.formats import get_format
     from shardwise.spec.hardware import get_box, get_link, load_cluster_file
@@ -67,17 +84,7 @@ def build_scenario(
     if dense:
         get_format(dense)
         formats.update({g: dense for g in MATMUL_GROUPS if g != ROUTED_EXPERTS})
-    kv_bytes = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp32": 4.0}.get(kv_dtype)
-    if kv_bytes is None:
-        raise ShardwiseError(f"--kv-dtype '{kv_dtype}' is unknown: use bf16, fp16, fp8 or fp32")
-    if spec_tokens < 0:
-        raise ShardwiseError(f"--spec-tokens must be >= 0, got {spec_tokens}")
-    acc = 0.0
-    if spec_tokens:
-        acc = resolve_acceptance(acceptance, workload)
-        check_spec(spec_tokens, acc)
-    elif acceptance is not None:
-        check_spec(1, acceptance)
+    kv_bytes, acc = decode_inputs(kv_dtype, spec_tokens, acceptance, workload)
     if context < 1:
         raise ShardwiseError(f"--context must be >= 1 token, got {context}")
     if price is not None:

@@ -75,7 +75,7 @@ def build_request(
     """Resolve CLI inputs into a SweepRequest (one-line errors on bad input)."""
     from shardwise.perf.pareto import SweepRequest
     from shardwise.perf.profiles import get_profile
-    from shardwise.perf.speculative import check_spec, resolve_acceptance
+    from shardwise.commands.plan import decode_inputs
     from shardwise.quant.formats import get_format
     from shardwise.spec.hardware import get_box, get_link, load_catalog
     from shardwise.spec.model import catalog_models, load_model
@@ -101,15 +101,7 @@ def build_request(
         raise ShardwiseError(f"--context must be >= 1 token, got {context}")
     if prompt_tokens < 1:
         raise ShardwiseError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    kv_bytes = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp32": 4.0}.get(kv_dtype)
-    if kv_bytes is None:
-        raise ShardwiseError(f"--kv-dtype '{kv_dtype}' is unknown: use bf16, fp16, fp8 or fp32")
-    if spec_tokens < 0:
-        raise ShardwiseError(f"--spec-tokens must be >= 0, got {spec_tokens}")
-    acc = 0.0
-    if spec_tokens:
-        acc = resolve_acceptance(acceptance, workload)
-        check_spec(spec_tokens, acc)
+    kv_bytes, acc = decode_inputs(kv_dtype, spec_tokens, acceptance, workload)
     return SweepRequest(
         models=models, boxes=box_objs, counts=parse_counts(boxes, max_boxes), links=link_objs, quants=quants,
         experts=expert_formats, context_tokens=context, runtime=runtime, spec_tokens=spec_tokens, acceptance=acc,
