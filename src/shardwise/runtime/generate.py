@@ -132,10 +132,8 @@ def generate(
         return _generate(model, prompt_ids, max_new_tokens, sampling, eos, tracer)
 
 
-def _generate(model, prompt_ids, max_new_tokens, sampling, eos, tracer) -> GenerationResult:
-    check_request(model, prompt_ids, max_new_tokens)
-    eos = eos_ids(model.spec.config) if eos is None else eos
-    pick = _Picker(model, sampling or SamplingParams())
+def prefill(model, prompt_ids: Sequence[int], pick, tracer=None) -> tuple[int, float]:
+    """Run the prompt through ``model`` and pick the first new token: (token, seconds)."""
     t0 = time.perf_counter()
     if tracer is not None:
         tracer.begin_step("prefill", 0, len(prompt_ids))
@@ -143,7 +141,14 @@ def _generate(model, prompt_ids, max_new_tokens, sampling, eos, tracer) -> Gener
     token = pick(hidden[:, -1])
     if tracer is not None:
         tracer.end_step()
-    prefill_s = time.perf_counter() - t0
+    return token, time.perf_counter() - t0
+
+
+def _generate(model, prompt_ids, max_new_tokens, sampling, eos, tracer) -> GenerationResult:
+    check_request(model, prompt_ids, max_new_tokens)
+    eos = eos_ids(model.spec.config) if eos is None else eos
+    pick = _Picker(model, sampling or SamplingParams())
+    token, prefill_s = prefill(model, prompt_ids, pick, tracer)
     tokens, steps = [token], []
     pos = len(prompt_ids)
     t1 = time.perf_counter()

@@ -60,6 +60,7 @@ from shardwise.runtime.generate import (
     check_request,
     eos_ids,
     generate,
+    prefill,
     top_p_filter,
 )
 
@@ -164,14 +165,7 @@ def speculative_generate(
     params = sampling or SamplingParams()
     eos = eos_ids(model.spec.config) if eos is None else eos
     pick = _Picker(model, params)
-    t0 = time.perf_counter()
-    if tracer is not None:
-        tracer.begin_step("prefill", 0, len(prompt_ids))
-    hidden = model(torch.tensor([list(prompt_ids)]), 0)
-    token = pick(hidden[:, -1])
-    if tracer is not None:
-        tracer.end_step()
-    prefill_s = time.perf_counter() - t0
+    token, prefill_s = prefill(model, prompt_ids, pick, tracer)
     out = SpeculativeResult(tokens=[token], prompt_tokens=len(prompt_ids), prefill_s=prefill_s, decode_s=0.0,
                             stopped_by="max_new_tokens", spec_tokens=spec_tokens)
     context = list(prompt_ids) + [token]
