@@ -103,11 +103,9 @@ def shard_param(spec: TensorSpec, shard: Shard, dtype: torch.dtype, expert: int 
     return p
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x Wᵀ (+ b)`` with W's output rows split over TP ranks (whole heads per rank).
-
-    The output stays split: rank r computes only its heads' / channels' outputs.
-    """
+class _ShardedLinear(nn.Module):
+    """``y = x Wᵀ (+ b)`` over this rank's slice of W and b, as ``shard_param`` cuts them
+    from the TensorSpec (split on its ``tp_dim``, or whole when it has none)."""
 
     def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype, bias: TensorSpec | None = None):
         super().__init__()
@@ -118,7 +116,14 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class ColumnParallelLinear(_ShardedLinear):
+    """``y = x Wᵀ (+ b)`` with W's output rows split over TP ranks (whole heads per rank).
+
+    The output stays split: rank r computes only its heads' / channels' outputs.
+    """
+
+
+class RowParallelLinear(_ShardedLinear):
     """``y = x Wᵀ (+ b)`` with W's input columns split over TP ranks; returns a partial sum.
 
     The caller sums the partial outputs of all ranks with one ``allreduce``. The bias is
@@ -126,25 +131,15 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype, bias: TensorSpec | None = None):
-        super().__init__()
-        self.weight = shard_param(weight, shard, dtype)
-        self.bias = shard_param(bias, shard, dtype) if bias is not None else None
+        super().__init__(weight, shard, dtype, bias)
         self.add_bias = shard.tp_rank == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias if self.add_bias else None)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(_ShardedLinear):
     """``y = x Wᵀ (+ b)`` with the whole weight on every rank (MLA's q_a / kv_a, routers)."""
-
-    def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype, bias: TensorSpec | None = None):
-        super().__init__()
-        self.weight = shard_param(weight, shard, dtype)
-        self.bias = shard_param(bias, shard, dtype) if bias is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
