@@ -71,16 +71,16 @@ def test_core_equals_scalar_planner(model_name, box_name, link_name):
     plans = [p for n in (1, 2, 4, 8) for p in _plans(model, n)]
     table = core.build_layout_table(model, plans, bits)
     idx = np.arange(len(plans))
-    hw = hardware_of(box, link)
+    hw = hardware_of(box, link, prof)
     common = dict(mem_efficiency=prof.mem_efficiency, compute_efficiency=prof.compute_efficiency,
                   step_overhead_s=prof.step_overhead_s, collective_overhead_s=prof.collective_overhead_s)
     context = 32768
     compute_bound = 0
     for spec_tokens in (0, 7):
         out = core.evaluate(model, table, idx, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, box.memory_gb * GB,
-                            link.latency_s, hw.link_beta_bytes_per_s, context, link_network=hw.network,
+                            hw.link_alpha_s, hw.link_beta_bytes_per_s, context, link_network=hw.network,
                             allreduce=prof.allreduce, spec_tokens=spec_tokens, acceptance=0.8, **common)
-        pre = core.evaluate_prefill(model, table, idx, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, link.latency_s,
+        pre = core.evaluate_prefill(model, table, idx, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, hw.link_alpha_s,
                                     hw.link_beta_bytes_per_s, 2048, link_network=hw.network, **common)
         for i, plan in enumerate(plans):
             sc = Scenario(model=model, box=box, boxes=plan.world_size, link=link, plan=plan, formats=formats,

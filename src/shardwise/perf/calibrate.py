@@ -39,7 +39,7 @@ def _row_terms(row: ResolvedRow, profile: RuntimeProfile):
     """(terms of the step that yields tokens, tokens per step, network link?) for one row."""
     sc = scenario_of(row, profile)
     bits = formats_bits(sc.formats)
-    hw = hardware_of(sc.box, sc.link)
+    hw = hardware_of(sc.box, sc.link, sc.profile)
     layers = layer_costs(sc.model, sc.plan, bits, sc.kv_bytes)
     positions = sc.spec_tokens + 1
     tokens = tokens_per_step(sc.spec_tokens, sc.acceptance) if sc.spec_tokens else 1.0
@@ -80,7 +80,7 @@ def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfil
                 sc = replace(scenario_of(r, p), prompt_tokens=r.measurement.prompt_tokens)
                 bits = formats_bits(sc.formats)
                 layers = layer_costs(sc.model, sc.plan, bits, sc.kv_bytes)
-                pred = _prefill(sc, layers, bits, hardware_of(sc.box, sc.link))["tok_per_s"]
+                pred = _prefill(sc, layers, bits, hardware_of(sc.box, sc.link, sc.profile))["tok_per_s"]
                 errs.append(ape(pred, r.measurement.prefill_tok_s))
             return statistics.median(errs)
 
@@ -131,6 +131,9 @@ def render_profiles(profiles: dict[str, RuntimeProfile], csv_name: str) -> str:
             f"collective_overhead_s = {p.collective_overhead_s!r}",
             f"allreduce = {_toml_value(list(p.allreduce))}",
         ]
+        if p.tcp_message_overhead_s:
+            lines += [f"tcp_message_overhead_s = {p.tcp_message_overhead_s!r}",
+                      f"source_tcp_message_overhead_s = {_toml_value(p.source_tcp_message_overhead_s)}"]
         if fitted:
             lines += [f"fitted_rows = {p.fitted_rows}", f"fit_median_ape = {p.fit_median_ape!r}"]
         lines += [f"source = {_toml_value(source)}", ""]

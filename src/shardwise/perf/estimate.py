@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from shardwise.perf.decode import Hardware, StepCost, layer_costs, step_cost
 from shardwise.perf.imbalance import load_percentiles
 from shardwise.perf.memory import memory_fit, total_weight_bytes
-from shardwise.perf.profiles import RuntimeProfile
+from shardwise.perf.profiles import RuntimeProfile, message_latency_s
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.plan import ParallelPlan
 from shardwise.quant.formats import get_format
@@ -51,12 +51,13 @@ class Scenario:
     notes: tuple[str, ...] = field(default=())
 
 
-def hardware_of(box, link, ring_order_s=None) -> Hardware:
-    """SI-unit view of a catalog box and link (``ring_order_s``: ring cost on a cable graph)."""
+def hardware_of(box, link, profile: RuntimeProfile, ring_order_s=None) -> Hardware:
+    """SI-unit view of a catalog box and link as ``profile``'s runtime sees it (per-message α
+    from :func:`message_latency_s`; ``ring_order_s``: ring cost on a cable graph)."""
     return Hardware(
         mem_bandwidth_bytes_per_s=box.memory_bandwidth_gbps * GB,
         peak_flops=box.tflops_bf16 * 1e12,
-        link_alpha_s=link.latency_s,
+        link_alpha_s=message_latency_s(link, profile),
         link_beta_bytes_per_s=link.bandwidth_gbps * GB,
         network=link.kind in ("tcp", "rdma"),
         ring_allreduce_s=ring_order_s,
@@ -83,9 +84,11 @@ def ring_orders(sc: Scenario) -> dict | None:
 
 def _hardware(sc: Scenario, rings: dict | None) -> Hardware:
     if rings is None:
-        return hardware_of(sc.box, sc.link)
+        return hardware_of(sc.box, sc.link, sc.profile)
     order = tuple(rings["best_order"])
-    return hardware_of(sc.box, sc.link, lambda n: sc.topology.ring_allreduce_time(order, n))
+    # the runtime's own per-message cost rides on each of the ring's 2(p-1) steps
+    extra = 2 * (len(order) - 1) * (message_latency_s(sc.link, sc.profile) - sc.link.latency_s)
+    return hardware_of(sc.box, sc.link, sc.profile, lambda n: sc.topology.ring_allreduce_time(order, n) + extra)
 
 
 def formats_bits(formats: dict[str, str]) -> dict[str, float]:
@@ -185,6 +188,8 @@ def estimate(sc: Scenario) -> dict:
         steps.append({"step": "collective latency", "tok_per_s": _tok(net),
                       "cause": f"{net.collectives_per_step} collectives per token over {sc.link.name}; one "
                                f"all-reduce ({net.allreduce_algorithm}) = {net.allreduce_s * 1e6:.0f} us on the wire"
+                               + (f" (incl. {prof.tcp_message_overhead_s * 1e6:.0f} us per message for {prof.name}'s "
+                                  f"socket path on TCP)" if sc.link.kind == "tcp" and prof.tcp_message_overhead_s else "")
                                + (f" + {prof.collective_overhead_s * 1e6:.0f} us software per call" if hw.network else "")})
     steps.append({"step": "host overhead", "tok_per_s": _tok(plain),
                   "cause": f"{prof.step_overhead_s * 1e3:.2f} ms per step (launches, sampling, scheduling)"})

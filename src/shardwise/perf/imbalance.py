@@ -99,12 +99,14 @@ def monte_carlo_max_load(
     """Seeded samples of the busiest group's distinct picked experts (uniform routing)."""
     rng = np.random.default_rng(seed)
     per = num_experts // ep
-    touched = np.zeros((samples, num_experts), dtype=bool)
-    rows = np.arange(samples)[:, None]
-    for _ in range(tokens):
-        touched[rows, _distinct_picks(rng, samples, num_experts, top_k)] = True
-    counts = touched.reshape(samples, ep, per).sum(axis=2)
-    return counts.max(axis=1)
+    picks = np.concatenate([_distinct_picks(rng, samples, num_experts, top_k) for _ in range(tokens)], axis=1)
+    # distinct experts per sample row: sort each row, keep first occurrences
+    picks.sort(axis=1)
+    first = np.ones(picks.shape, dtype=bool)
+    first[:, 1:] = picks[:, 1:] != picks[:, :-1]
+    rows = np.broadcast_to(np.arange(samples)[:, None], picks.shape)
+    counts = np.bincount((rows * ep + picks // per)[first], minlength=samples * ep)
+    return counts.reshape(samples, ep).max(axis=1)
 
 
 def _distinct_picks(rng: np.random.Generator, samples: int, num_experts: int, top_k: int) -> np.ndarray:

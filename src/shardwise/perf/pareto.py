@@ -39,7 +39,7 @@ import numpy as np
 from shardwise.errors import ShardwiseError
 from shardwise.perf import sweep as core
 from shardwise.perf.estimate import formats_bits
-from shardwise.perf.profiles import get_profile
+from shardwise.perf.profiles import get_profile, message_latency_s
 from shardwise.plan import ParallelPlan, validate_plan, valid_tp_degrees
 from shardwise.quant.formats import get_format
 from shardwise.spec.hardware import Box, Link
@@ -249,7 +249,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
     bw = np.array([b.memory_bandwidth_gbps * GB for b in boxes])[None, :, None]
     peak = np.array([b.tflops_bf16 * 1e12 for b in boxes])[None, :, None]
     mem = np.array([b.memory_gb * GB for b in boxes])[None, :, None]
-    alpha = np.array([0.0] + [lk.latency_s for lk in req.links])[None, None, :]
+    alpha = np.array([0.0] + [message_latency_s(lk, prof) for lk in req.links])[None, None, :]
     beta = np.array([1.0] + [lk.bandwidth_gbps * GB for lk in req.links])[None, None, :]
     network = np.array([False] + [lk.kind in ("tcp", "rdma") for lk in req.links])[None, None, :]
     capacity = np.array([[1] + [link_capacity(b, lk) for lk in req.links] for b in boxes])  # (B, K)
@@ -565,7 +565,7 @@ def explain(result: SweepResult, req: SweepRequest, model: str, box: str, boxes:
     prof = get_profile(req.runtime)
     out = core.evaluate(
         spec, table, np.arange(len(plans)), box_obj.memory_bandwidth_gbps * GB, box_obj.tflops_bf16 * 1e12,
-        box_obj.memory_gb * GB, link_obj.latency_s if link_obj else 0.0,
+        box_obj.memory_gb * GB, message_latency_s(link_obj, prof) if link_obj else 0.0,
         link_obj.bandwidth_gbps * GB if link_obj else 1.0, req.context_tokens,
         link_network=bool(link_obj and link_obj.kind in ("tcp", "rdma")), allreduce=prof.allreduce,
         mem_efficiency=prof.mem_efficiency, compute_efficiency=prof.compute_efficiency,

@@ -5,6 +5,10 @@ Pure rooflines over-predict real systems by 1.5–3×. Each profile keeps its fa
 - ``compute_efficiency``: fraction of peak matmul throughput achieved;
 - ``step_overhead_s``: host time per decode step (kernel launches, sampling, scheduling), seconds;
 - ``collective_overhead_s``: software time per collective on top of the link's α, seconds;
+- ``tcp_message_overhead_s``: extra time per message (every ring/tree step) on a TCP link for a
+  runtime whose tensors sit in accelerator memory: the host bounce buffers and proxy-thread
+  hand-offs of a socket transport, which RDMA skips by letting the NIC read and write device
+  memory; seconds, added to the link's α (:func:`message_latency_s`);
 - ``allreduce``: the all-reduce algorithms that runtime can use (the planner picks the cheapest).
 
 ``ideal`` is the pure roofline. The others are fitted to ``data/measurements.csv`` by
@@ -33,6 +37,8 @@ class RuntimeProfile:
     step_overhead_s: float
     collective_overhead_s: float
     allreduce: tuple[str, ...]
+    tcp_message_overhead_s: float = 0.0
+    source_tcp_message_overhead_s: str = ""
     fitted_rows: int = 0
     fit_median_ape: float | None = None
     source: str = ""
@@ -54,6 +60,8 @@ def load_profiles() -> dict[str, RuntimeProfile]:
                 step_overhead_s=float(entry["step_overhead_s"]),
                 collective_overhead_s=float(entry["collective_overhead_s"]),
                 allreduce=tuple(entry["allreduce"]),
+                tcp_message_overhead_s=float(entry.get("tcp_message_overhead_s", 0.0)),
+                source_tcp_message_overhead_s=entry.get("source_tcp_message_overhead_s", ""),
                 fitted_rows=int(entry.get("fitted_rows", 0)),
                 fit_median_ape=entry.get("fit_median_ape"),
                 source=entry.get("source", ""),
@@ -69,3 +77,9 @@ def get_profile(name: str) -> RuntimeProfile:
     if name not in profiles:
         raise unknown_name("runtime profile", name, profiles)
     return profiles[name]
+
+
+def message_latency_s(link, profile: RuntimeProfile) -> float:
+    """Seconds per message (one step of a collective) on ``link`` as ``profile``'s runtime sees it:
+    the link's α plus the profile's TCP per-message overhead on TCP links."""
+    return link.latency_s + (profile.tcp_message_overhead_s if link.kind == "tcp" else 0.0)
