@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.bench import OpCounts, bench_document, calibrated_profile, predict
+from shardwise.bench import OpCounts, bench_document, calibrated_profile, layer_host_seconds, predict, with_host_probe
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.loader import load_spec
 
@@ -52,6 +52,26 @@ def test_prediction_terms_come_from_the_probe(tiny_llama):
     assert all(row["predicted_comm_s"] == 0 for row in one["layers"]) and one["collective_s"] == 0
 
 
+def test_host_probe_figures_replace_the_probes_and_price_moe_layers_apart():
+    """The run's own before/after timings of the reference blocks replace the probe's host
+    figures (slowest rank), the in-decode all-reduce becomes the per-call overhead over the ring
+    fit's α-β time, and MoE layers are priced at the MoE per-op cost."""
+    from shardwise.probe import REFERENCE_MESSAGE_BYTES
+
+    probe = _probe_doc()
+    reports = [{"host_probe": {"op_overhead_s": 5e-6, "op_overhead_moe_s": 8e-6, "collective_in_decode_s": 9e-4}},
+               {"host_probe": {"op_overhead_s": 6e-6, "op_overhead_moe_s": 7e-6, "collective_in_decode_s": 1e-3}}]
+    doc = with_host_probe(probe, reports, "rd")
+    assert doc["op_overhead_s"] == 6e-6 and doc["op_overhead_moe_s"] == 8e-6
+    wire = 100e-6 + REFERENCE_MESSAGE_BYTES / 1e9  # rd over 2 ranks: α + n/β
+    assert doc["collective_overhead_s"]["rd"] == pytest.approx(1e-3 - wire)
+    assert doc["collective_overhead_s"]["ring"] == probe["collective_overhead_s"]["ring"]
+    ops = OpCounts(layers=(100.0, 120.0), other=50.0)
+    assert layer_host_seconds(doc, ops, (False, True)) == pytest.approx([100 * 6e-6, 120 * 8e-6])
+    profile = calibrated_profile(doc, "rd", ops, (False, True))
+    assert profile.step_overhead_s == pytest.approx(100 * 6e-6 + 120 * 8e-6 + 50 * 6e-6)
+
+
 def test_bench_document_schema():
     summary = {"measured_tok_per_s": 90.0, "decode_steps": 7, "ranks": [], "layers": [
         {"layer": 0, "kind": "gqa", "mlp": "dense", "rank": r, "compute_s": 2e-3, "comm_s": 1e-3, "wait_s": 1e-4,
@@ -64,9 +84,11 @@ def test_bench_document_schema():
     assert doc["error"] == pytest.approx(0.1)
     for row in doc["layers"]:
         assert TRACE_LAYER_KEYS <= set(row)
-        assert row["compute_error"] == pytest.approx(0.25) and row["comm_error"] == pytest.approx(-0.5)
-        assert row["predicted_wait_s"] == 0.0
+        # the in-decode all-reduce cost is held against communication plus waiting: 0.5 vs 1.1 ms
+        assert row["comm_wait_s"] == pytest.approx(1.1e-3)
+        assert row["compute_error"] == pytest.approx(0.25) and row["comm_error"] == pytest.approx(0.5 / 1.1 - 1)
     assert [t["rank"] for t in doc["totals"]["comm"]] == [0, 1]
+    assert doc["totals"]["comm"][0]["measured_s"] == pytest.approx(1.1e-3)
 
 
 def test_bench_cli_tp2_writes_json_and_chrome_trace(tiny_llama, tmp_path):

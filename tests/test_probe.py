@@ -15,7 +15,8 @@ import pytest
 
 from shardwise.perf.allreduce_choice import RUNTIME_NAMES, choose_allreduce
 from shardwise.perf.collectives import best_allreduce
-from shardwise.probe import bus_bandwidth, fit_alpha_beta, message_sizes, ring_alpha_beta
+from shardwise.probe import (REFERENCE_MESSAGE_BYTES, _model_seconds, bus_bandwidth, fit_alpha_beta, message_sizes,
+                             ring_alpha_beta)
 from shardwise.spec.hardware import load_cluster_file
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -82,6 +83,13 @@ def test_probe_writes_a_cluster_file_that_plan_reads(tmp_path):
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(p-1)/p = 1 at p = 2
     assert doc["links"][0]["name"] == "loopback" and doc["links"][0]["alpha_s"] >= 0
     assert doc["memory_bandwidth_gbps"] > 0 and set(doc["tflops"]) == {"fp32", "bf16"}
+    assert doc["op_overhead_s"] > 0 and doc["op_overhead_moe_s"] > 0
+    # per-call overhead = the all-reduce's cost inside a decode step over its α-β time at the reference size
+    fit = doc["ring_fit"]
+    for name in ("ring", "rd"):
+        wire = _model_seconds(name, REFERENCE_MESSAGE_BYTES, 2, 2, fit["alpha_s"], fit["beta_gbps"] * 1e9)
+        assert doc["collective_in_decode_s"][name] > 0
+        assert doc["collective_overhead_s"][name] == pytest.approx(max(0.0, doc["collective_in_decode_s"][name] - wire))
     cluster = load_cluster_file(out)
     assert cluster.boxes == 2 and cluster.measured is not None
     assert cluster.box.memory_bandwidth_gbps == pytest.approx(doc["memory_bandwidth_gbps"], rel=1e-3)

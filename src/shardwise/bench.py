@@ -14,7 +14,8 @@ Calibration (``calibrated_profile``), every figure from the probe, none from the
 - host overhead: an eager runtime pays a fixed host cost per dispatched aten op, which at
   batch 1 on small models is most of the step. ``count_step_ops`` counts the ops each
   layer and the rest of a decode step dispatch (one rank-0 shard, in a process of its
-  own, nothing timed), and the probe's ``op_overhead_s`` prices them: per layer in the
+  own, nothing timed), and the probe's ``op_overhead_s`` (``op_overhead_moe_s`` for MoE
+  layers) prices them: per layer in the
   per-layer prediction, summed into the profile's ``step_overhead_s`` for the total.
 """
 
@@ -84,19 +85,50 @@ def count_rank_ops(rank: int, world: int, checkpoint: str, tp: int, ep: int, dty
     return {"layers": layers, "other": counter.ops / steps - sum(layers)}
 
 
-def calibrated_profile(probe: dict[str, Any], allreduce: str, ops: OpCounts):
-    """The ``shardwise`` runtime profile with every factor taken from a probe document."""
+def with_host_probe(probe: dict[str, Any], reports: list[dict[str, Any]], allreduce: str) -> dict[str, Any]:
+    """``probe`` with its host-time figures replaced by those the run's own ranks measured on
+    the probe's reference block right before and after the measured run (``RunRequest.host_probe``):
+    the slowest rank's seconds per op and, with peers, the per-call all-reduce overhead inside a
+    decode step over the probe's ring α-β at the reference message size."""
+    from shardwise.probe import REFERENCE_MESSAGE_BYTES, _model_seconds
+
+    figures = [r["host_probe"] for r in reports]
+    out = {**probe, "op_overhead_s": max(f["op_overhead_s"] for f in figures),
+           "op_overhead_moe_s": max(f["op_overhead_moe_s"] for f in figures),
+           "host_probe": "per-op and in-decode all-reduce costs timed in the run's ranks around the run"}
+    if all("collective_in_decode_s" in f for f in figures) and probe.get("ring_fit"):
+        fit, p = probe["ring_fit"], len(figures)
+        in_decode = max(f["collective_in_decode_s"] for f in figures)
+        wire = _model_seconds(allreduce, REFERENCE_MESSAGE_BYTES, p, p, fit["alpha_s"], fit["beta_gbps"] * 1e9)
+        out["collective_overhead_s"] = {**probe.get("collective_overhead_s", {}), allreduce: max(0.0, in_decode - wire)}
+    return out
+
+
+def layer_host_seconds(probe: dict[str, Any], ops: OpCounts, moe_layers: tuple[bool, ...] = ()) -> list[float]:
+    """Host seconds of each decoder layer's ops: MoE layers (``moe_layers[i]``) at the probe's
+    MoE per-op cost (``op_overhead_moe_s``, the dense cost for probes that lack it), the rest
+    at the dense one."""
+    dense = probe["op_overhead_s"]
+    moe = probe.get("op_overhead_moe_s", dense)
+    kinds = moe_layers or (False,) * len(ops.layers)
+    return [n * (moe if is_moe else dense) for n, is_moe in zip(ops.layers, kinds)]
+
+
+def calibrated_profile(probe: dict[str, Any], allreduce: str, ops: OpCounts, moe_layers: tuple[bool, ...] = ()):
+    """The ``shardwise`` runtime profile with every factor taken from a probe document
+    (``moe_layers``: which decoder layers are MoE, priced at the MoE per-op cost)."""
     from shardwise.perf.profiles import get_profile
 
     base = get_profile("shardwise")
+    host_s = sum(layer_host_seconds(probe, ops, moe_layers)) + ops.other * probe["op_overhead_s"]
     return replace(
         base,
         mem_efficiency=1.0,
         compute_efficiency=1.0,
-        step_overhead_s=ops.total * probe["op_overhead_s"],
+        step_overhead_s=host_s,
         collective_overhead_s=float(probe.get("collective_overhead_s", {}).get(allreduce, 0.0)),
         allreduce=(PERF_ALGORITHM[allreduce],),
-        source=f"calibrated from shardwise probe: {ops.total:.0f} ops/step x {probe['op_overhead_s'] * 1e6:.1f} us",
+        source=f"calibrated from shardwise probe: {ops.total:.0f} ops/step, {host_s * 1e3:.2f} ms host time",
     )
 
 
@@ -124,7 +156,9 @@ def predict(spec, tp: int, ep: int, dtype: str, context_tokens: int, probe: dict
         raise ShardwiseError(f"op counts cover {len(ops.layers)} layers but the model has {spec.num_layers}")
     box, link = probe_cluster(probe, dtype)
     fmt = DTYPE_FORMAT[dtype]
-    profile = calibrated_profile(probe, allreduce, ops)
+    moe_layers = tuple(layer.mlp == "moe" for layer in spec.layers)
+    profile = calibrated_profile(probe, allreduce, ops, moe_layers)
+    host = layer_host_seconds(probe, ops, moe_layers)
     elem = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}[fmt]
     sc = Scenario(
         model=spec, box=box, boxes=tp, link=link, plan=ParallelPlan(tp=tp, ep=ep),
@@ -135,7 +169,7 @@ def predict(spec, tp: int, ep: int, dtype: str, context_tokens: int, probe: dict
     per_call = profile.collective_overhead_s if link.kind in ("tcp", "rdma") else 0.0
     comm = 2 * (plain.allreduce_s + per_call) if tp > 1 else 0.0
     layers = [
-        {"layer": i, "predicted_compute_s": plain.per_layer_s[i] + ops.layers[i] * probe["op_overhead_s"],
+        {"layer": i, "predicted_compute_s": plain.per_layer_s[i] + host[i],
          "predicted_comm_s": comm}
         for i in range(spec.num_layers)
     ]
@@ -145,6 +179,7 @@ def predict(spec, tp: int, ep: int, dtype: str, context_tokens: int, probe: dict
         "allreduce_algorithm": allreduce, "allreduce_model": plain.allreduce_algorithm,
         "allreduce_s": plain.allreduce_s, "collective_overhead_s": per_call,
         "ops_per_step": ops.total, "op_overhead_s": probe["op_overhead_s"],
+        "op_overhead_moe_s": probe.get("op_overhead_moe_s", probe["op_overhead_s"]),
         "memory_bandwidth_gbps": box.memory_bandwidth_gbps, "tflops": box.tflops_bf16,
         "link_alpha_s": link.latency_s, "link_beta_gbps": link.bandwidth_gbps,
         "profile": {"mem_efficiency": profile.mem_efficiency, "compute_efficiency": profile.compute_efficiency,
@@ -162,22 +197,25 @@ def relative_error(predicted: float, measured: float) -> float | None:
 def bench_document(model: str, tp: int, ep: int, allreduce: str, measured_tok_per_s: float,
                    summary: dict[str, Any], prediction: dict[str, Any]) -> dict[str, Any]:
     """The bench JSON: the trace summary's per-layer rows with the predicted terms and the
-    error of each, plus predicted vs measured decode tok/s."""
+    error of each, plus predicted vs measured decode tok/s. The predicted all-reduce cost is
+    the probe's cost *inside a decode step*, the wait for the last rank included, so the
+    ``comm`` term is held against the measured communication plus waiting (``comm_wait_s``)."""
     by_layer = {row["layer"]: row for row in prediction["layers"]}
     layers = []
     for row in summary["layers"]:
         pred = by_layer[row["layer"]]
+        comm_wait = row["comm_s"] + row["wait_s"]
         layers.append({
-            **row, "predicted_compute_s": pred["predicted_compute_s"], "predicted_comm_s": pred["predicted_comm_s"],
-            "predicted_wait_s": 0.0,
+            **row, "comm_wait_s": comm_wait,
+            "predicted_compute_s": pred["predicted_compute_s"], "predicted_comm_s": pred["predicted_comm_s"],
             "compute_error": relative_error(pred["predicted_compute_s"], row["compute_s"]),
-            "comm_error": relative_error(pred["predicted_comm_s"], row["comm_s"]) if tp > 1 else None,
+            "comm_error": relative_error(pred["predicted_comm_s"], comm_wait) if tp > 1 else None,
         })
     totals = {}
-    for term in ("compute", "comm", "wait"):
+    for term, measured_key in (("compute", "compute_s"), ("comm", "comm_wait_s")):
         for rank in sorted({row["rank"] for row in layers}):
             rows = [row for row in layers if row["rank"] == rank]
-            measured = sum(row[f"{term}_s"] for row in rows)
+            measured = sum(row[measured_key] for row in rows)
             predicted = sum(row[f"predicted_{term}_s"] for row in rows)
             totals.setdefault(term, []).append({"rank": rank, "measured_s": measured, "predicted_s": predicted,
                                                 "error": relative_error(predicted, measured)})

@@ -16,11 +16,18 @@
 - dense matmul throughput per dtype (fp32, bf16) in TFLOPS;
 - the host cost of one eager torch op (``op_overhead_s``): a small decoder-like block
   timed and divided by the aten ops it dispatches (counted by ``count_ops``); at batch 1
-  on small models this, not bandwidth, sets the speed of an eager runtime.
+  on small models this, not bandwidth, sets the speed of an eager runtime;
+- the cost of one all-reduce *inside a decode step* per algorithm
+  (``collective_in_decode_s``): the same block with each layer's two all-reduces running
+  the algorithm, on every rank at once, minus the block alone, per all-reduce. Between
+  back-to-back calls the ranks arrive together and stay awake; in a decode step they
+  arrive from compute with skew and a blocked rank must be woken, which on a shared or
+  busy host costs several times the tight-loop latency.
 
 ``summarize`` (parent side, numpy only) fits α/β per link and for the ring, derives the
-per-call software overhead of each algorithm and builds the probe document; the cluster
-file it describes is what ``shardwise plan --cluster`` reads.
+per-call software overhead of each algorithm (from the in-decode cost where measured, else
+from the tight-loop table) and builds the probe document; the cluster file it describes is
+what ``shardwise plan --cluster`` reads.
 """
 
 from __future__ import annotations
@@ -176,12 +183,19 @@ REFERENCE_CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_la
 checkpoint (``make-checkpoint --scale tiny``) uses, so calibrating on it is not fitting the
 model later benched."""
 
+REFERENCE_MOE_CONFIG = {**REFERENCE_CONFIG, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64}
+"""The MoE reference (a qwen3_moe with the reference sizes; tiny checkpoints use 8 experts,
+top-2): routing and the per-expert loop dispatch ops from more Python per op than a dense
+MLP does, so MoE layers get their own per-op cost (``op_overhead_moe_s``)."""
 
-def _reference_block(context: int = 16) -> Callable[[], Any]:
+
+def _reference_block(context: int = 16, reduce: Callable[[Any], Any] | None = None, moe: bool = False) -> Callable[[], Any]:
     """One decode step of the runtime's own decoder layers (norms, projections, rotary,
     attention over a static cache, gated MLP) on a small random llama at tp=1: the op mix,
-    and the per-op host cost, of the runtime's eager decode path. The layers' all-reduce
-    hooks are identities, so the step runs alone inside a rank of a larger group."""
+    and the per-op host cost, of the runtime's eager decode path. Each layer's two
+    all-reduce hooks run ``reduce`` (default: identity, so the step runs alone inside a
+    rank of a larger group; every rank must call a block built with the same ``reduce``).
+    ``moe``: the MoE reference (``REFERENCE_MOE_CONFIG``) instead of the dense llama."""
     import torch
 
     from shardwise.plan import ParallelPlan
@@ -189,8 +203,8 @@ def _reference_block(context: int = 16) -> Callable[[], Any]:
     from shardwise.runtime.model import ShardedCausalLM
     from shardwise.spec.model import load_model, parse_config
 
-    cfg = shrink_config(dict(load_model("llama-3.1-8b").config))
-    cfg.update(REFERENCE_CONFIG)
+    cfg = shrink_config(dict(load_model("qwen3-30b-a3b" if moe else "llama-3.1-8b").config))
+    cfg.update(REFERENCE_MOE_CONFIG if moe else REFERENCE_CONFIG)
     model = ShardedCausalLM(parse_config(cfg, name="probe-reference"), ParallelPlan(), 0, "float32",
                             max_seq_len=context + 1)
     g = torch.Generator().manual_seed(0)
@@ -198,7 +212,7 @@ def _reference_block(context: int = 16) -> Callable[[], Any]:
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.05)
     for layer in model.model.layers:
-        layer.reduce_attn = layer.reduce_mlp = _identity
+        layer.reduce_attn = layer.reduce_mlp = reduce or _identity
     positions = torch.tensor([context])
     rope = model.rotary(positions, model.dtype)
     x0 = torch.randn(1, 1, cfg["hidden_size"], generator=g)
@@ -216,15 +230,11 @@ def _identity(t):
     return t
 
 
-def measure_op_overhead(reps: int = 20, batches: int = 15) -> tuple[float, int]:
-    """(seconds per dispatched aten op, ops per block) of the reference block, eager, as
-    the runtime's plain decode path dispatches it (no ``runtime.exact`` scope); the median
-    of ``batches`` batches, like the decode steps ``bench`` compares it with."""
+def _block_seconds(block: Callable[[], Any], reps: int, batches: int) -> float:
+    """Median over ``batches`` of the mean seconds per call of ``block`` (after 10 warm-ups)."""
     import torch
 
-    block = _reference_block()
     with torch.no_grad():
-        ops = count_ops(block)
         for _ in range(10):
             block()
         times = []
@@ -233,7 +243,38 @@ def measure_op_overhead(reps: int = 20, batches: int = 15) -> tuple[float, int]:
             for _ in range(reps):
                 block()
             times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times) / ops, ops
+    return statistics.median(times)
+
+
+def measure_op_overhead(reps: int = 20, batches: int = 15, moe: bool = False) -> tuple[float, int]:
+    """(seconds per dispatched aten op, ops per block) of the reference block (``moe``: the
+    MoE one), eager, as the runtime's plain decode path dispatches it (no ``runtime.exact``
+    scope); the median of ``batches`` batches, like the decode steps ``bench`` compares it with."""
+    import torch
+
+    block = _reference_block(moe=moe)
+    with torch.no_grad():
+        ops = count_ops(block)
+    return _block_seconds(block, reps, batches) / ops, ops
+
+
+def measure_collective_in_decode(reduce: Callable[[Any], Any], reps: int = 10, batches: int = 15) -> float:
+    """Seconds one all-reduce (``reduce``) adds to a decode step: the reference block with
+    its 2 per layer all-reduces minus the block without them, per all-reduce, both timed
+    right here on every rank at once (call it on every rank of the group together)."""
+    import torch.distributed as dist
+
+    alone = _reference_block()
+    with_reduce = _reference_block(reduce=reduce)
+    dist.barrier()
+    alone_s = _block_seconds(alone, reps, batches)
+    dist.barrier()
+    with_s = _block_seconds(with_reduce, reps, batches)
+    return max(0.0, with_s - alone_s) / (2 * REFERENCE_CONFIG["num_hidden_layers"])
+
+
+REFERENCE_MESSAGE_BYTES = REFERENCE_CONFIG["hidden_size"] * 4
+"""Bytes of the reference block's all-reduce message (one fp32 hidden vector)."""
 
 
 def measure_triad(n_bytes: int, reps: int = 5) -> float:
@@ -356,12 +397,19 @@ def probe_rank(rank: int, world: int, cfg: ProbeConfig, progress: Any = None) ->
     tflops = {d: measure_matmul(cfg.matmul_size, d) for d in cfg.dtypes}
     tick("matmul")
     op_s, block_ops = measure_op_overhead()
+    op_moe_s = measure_op_overhead(reps=10, moe=True)[0]
     tick("eager op overhead")
+    in_decode = {}
+    if world > 1:
+        for name in collectives:
+            in_decode[name] = measure_collective_in_decode(get_allreduce(name))
+        tick("all-reduce inside a decode step")
     memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
         "rank": rank, "host": hosts[rank], "local_world_size": local_world, "hosts": hosts,
         "collectives": collectives, "links": links, "triad_gbps": triad, "tflops": tflops,
         "op_overhead_s": op_s, "reference_block_ops": block_ops, "host_memory_bytes": memory_bytes,
+        "collective_in_decode_s": in_decode, "op_overhead_moe_s": op_moe_s,
         "threads": cfg.threads,
     }
 
@@ -373,7 +421,7 @@ def probe_steps(cfg: ProbeConfig, world: int, local_world: int) -> int:
     algs = [a for a in cfg.algorithms if a != "two-level" or world % local_world == 0]
     hosts = [f"h{i}" for i in range(world)]
     pairs = _link_pairs(world, local_world, hosts)
-    return len(cfg.sizes()) * (len(algs) + len(pairs)) + 3
+    return len(cfg.sizes()) * (len(algs) + len(pairs)) + 4
 
 
 # --------------------------------------------------------------------------- parent side
@@ -426,13 +474,20 @@ def summarize(reports: list[dict[str, Any]], cfg: ProbeConfig, backend: str) -> 
         n, t = zip(*ring)
         alpha, beta = ring_alpha_beta(n, t, p)
         doc["ring_fit"] = {"alpha_s": alpha, "beta_gbps": beta / 1e9}
+        doc["collective_in_decode_s"] = {}
         for name, points in first["collectives"].items():
-            small = [t - _model_seconds(name, n, p, local, alpha, beta) for n, t in points if n <= OVERHEAD_MAX_BYTES]
-            doc["collective_overhead_s"][name] = max(0.0, float(np.median(small))) if small else 0.0
+            in_decode = [r["collective_in_decode_s"][name] for r in reports if name in r.get("collective_in_decode_s", {})]
+            if in_decode:  # the slowest rank's: every rank waits for it
+                doc["collective_in_decode_s"][name] = max(in_decode)
+                over = [max(in_decode) - _model_seconds(name, REFERENCE_MESSAGE_BYTES, p, local, alpha, beta)]
+            else:
+                over = [t - _model_seconds(name, n, p, local, alpha, beta) for n, t in points if n <= OVERHEAD_MAX_BYTES]
+            doc["collective_overhead_s"][name] = max(0.0, float(np.median(over))) if over else 0.0
     doc["memory_bandwidth_gbps"] = min(r["triad_gbps"] for r in reports)
     doc["memory_bandwidth_gbps_per_rank"] = [r["triad_gbps"] for r in reports]
     doc["tflops"] = {d: min(r["tflops"][d] for r in reports) for d in first["tflops"]}
     doc["op_overhead_s"] = max(r["op_overhead_s"] for r in reports)
+    doc["op_overhead_moe_s"] = max(r["op_overhead_moe_s"] for r in reports)
     doc["reference_block_ops"] = first["reference_block_ops"]
     doc["memory_gb_per_rank"] = first["host_memory_bytes"] / local / 1e9
     return doc

@@ -32,12 +32,12 @@ def render(doc: dict[str, Any]) -> None:
     con = Console()
     t = Table(title=f"{doc['model']} TP{doc['tp']} EP{doc['ep']}, all-reduce {doc['allreduce']}: "
                     f"per layer, mean of {doc['decode_steps']} decode steps (ms)")
-    for col in ("layer", "kind", "rank", "compute", "pred", "err", "comm", "pred", "err", "wait"):
+    for col in ("layer", "kind", "rank", "compute", "pred", "err", "comm+wait", "pred", "err"):
         t.add_column(col, justify="right")
     for r in doc["layers"]:
         t.add_row(str(r["layer"]), r["kind"], str(r["rank"]), f"{r['compute_s'] * 1e3:.3f}",
-                  f"{r['predicted_compute_s'] * 1e3:.3f}", _pct(r["compute_error"]), f"{r['comm_s'] * 1e3:.3f}",
-                  f"{r['predicted_comm_s'] * 1e3:.3f}", _pct(r["comm_error"]), f"{r['wait_s'] * 1e3:.3f}")
+                  f"{r['predicted_compute_s'] * 1e3:.3f}", _pct(r["compute_error"]), f"{r['comm_wait_s'] * 1e3:.3f}",
+                  f"{r['predicted_comm_s'] * 1e3:.3f}", _pct(r["comm_error"]))
     con.print(t)
     for term, rows in doc["totals"].items():
         parts = ", ".join(f"rank {r['rank']} {r['measured_s'] * 1e3:.2f} measured / {r['predicted_s'] * 1e3:.2f} "
@@ -75,7 +75,8 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="print the bench JSON")] = False,
     ) -> None:
         """Run a checkpoint traced and plan it on the probed cluster: predicted vs measured decode."""
-        from shardwise.bench import OpCounts, bench_document, count_rank_ops, predict, predicted_trace_events
+        from shardwise.bench import (OpCounts, bench_document, count_rank_ops, predict, predicted_trace_events,
+                                     with_host_probe)
         from shardwise.commands.probe import run_probe
         from shardwise.commands.run import DEFAULT_PROMPT, _default_ep, _parse_ids
         from shardwise.perf.allreduce_choice import choose_allreduce
@@ -138,7 +139,8 @@ def register(app: typer.Typer) -> None:
         ops = OpCounts(layers=tuple(counted["layers"]), other=counted["other"])
         common = dict(checkpoint=str(folder), prompt_ids=ids, max_new_tokens=max_new_tokens, tp=tp, ep=ep,
                       dtype=dtype, allreduce=allreduce)
-        plain = launch_local(run_rank, tp, args=(RunRequest(**common),), timeout_s=timeout)
+        plain = launch_local(run_rank, tp, args=(RunRequest(**common, host_probe=True),), timeout_s=timeout)
+        probe_doc = with_host_probe(probe_doc, plain, allreduce)
         traced = launch_local(run_rank, tp, args=(RunRequest(**common, trace=True),), timeout_s=timeout)
         measured = 1.0 / max(statistics.median(r["decode_step_s"]) for r in plain)
         if any(r["tokens"] != traced[0]["tokens"] for r in plain + traced):

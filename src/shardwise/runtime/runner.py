@@ -48,6 +48,7 @@ class RunRequest:
     trace: bool = False  # time every layer of every step (runtime.trace); the report gets "trace"
     spec: SpecParams | None = None  # speculative decoding (drafter, k); the report gets "speculative"
     log: bool = False  # rank 0 prints one status line to stderr when generation starts
+    host_probe: bool = False  # time the probe's reference block right before and after generating (bench)
 
 
 def slow_rank_hook(rank: int) -> float:
@@ -103,7 +104,11 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
 
         result, speculative = run_speculative(model, request, sampling, tracer)
     else:
+        host = _host_probe(world_size, request.allreduce) if request.host_probe else None
         result = generate(model, request.prompt_ids, request.max_new_tokens, sampling, tracer=tracer)
+        if host is not None:  # bracket the run: the mean of the figures before and after it
+            after = _host_probe(world_size, request.allreduce)
+            host = {k: (v + after[k]) / 2 for k, v in host.items()}
     if tracer is not None:
         tracer.detach()
     return {
@@ -123,4 +128,18 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
         "experts": list(local_experts(spec.moe.num_experts, plan, rank)) if spec.moe is not None else [],
         "trace": tracer.export() if tracer is not None else None,
         "speculative": speculative,
+        **({"host_probe": host} if request.host_probe and request.spec is None else {}),
     }
+
+
+def _host_probe(world_size: int, allreduce: str) -> dict[str, float]:
+    """The probe's per-op cost and (with peers) in-decode all-reduce cost, timed in this rank's
+    process next to the run it calibrates: a busy or shared host drifts by tens of percent
+    within a minute, so figures from a probe run earlier would not describe this run."""
+    from shardwise.probe import measure_collective_in_decode, measure_op_overhead
+    from shardwise.runtime.comm import get_allreduce
+
+    out = {"op_overhead_s": measure_op_overhead()[0], "op_overhead_moe_s": measure_op_overhead(reps=10, moe=True)[0]}
+    if world_size > 1:
+        out["collective_in_decode_s"] = measure_collective_in_decode(get_allreduce(allreduce))
+    return out
