@@ -2,6 +2,8 @@
 
 import itertools
 
+import numpy as np
+
 import pytest
 
 from shardwise.perf.imbalance import (
@@ -54,3 +56,13 @@ def test_distinct_experts_formula():
 
 def test_monte_carlo_is_seeded():
     assert load_percentiles(64, 8, 8, samples=500, seed=3) == load_percentiles(64, 8, 8, samples=500, seed=3)
+
+
+def test_quantile_matches_numpy_percentile():
+    from shardwise.perf.imbalance import _quantile
+
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 7, 2000):
+        draws = np.sort(rng.integers(0, 9, n))
+        for q in (0.0, 0.5, 0.99, 1.0):
+            assert _quantile(draws, q) == pytest.approx(np.percentile(draws, 100 * q), abs=1e-12)

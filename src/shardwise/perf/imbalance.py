@@ -127,9 +127,14 @@ def load_percentiles(
     num_experts: int, top_k: int, ep: int, tokens: int = 1, samples: int = 20000, seed: int = 0
 ) -> dict[str, float]:
     """Mean, p50 and p99 of the busiest group's picked experts from the seeded Monte-Carlo."""
-    draws = monte_carlo_max_load(num_experts, top_k, ep, tokens, samples, seed)
-    return {
-        "mean": float(draws.mean()),
-        "p50": float(np.percentile(draws, 50)),
-        "p99": float(np.percentile(draws, 99)),
-    }
+    draws = np.sort(monte_carlo_max_load(num_experts, top_k, ep, tokens, samples, seed))
+    return {"mean": float(draws.mean()), "p50": _quantile(draws, 0.50), "p99": _quantile(draws, 0.99)}
+
+
+def _quantile(ordered: np.ndarray, q: float) -> float:
+    """``np.percentile``'s default (linear) quantile of already sorted draws, without the
+    ``np.unique``/``numpy.ma`` import it drags into every `shardwise plan` (~20 ms)."""
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
