@@ -116,3 +116,20 @@ def test_bench_cli_tp2_writes_json_and_chrome_trace(tiny_llama, tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert {"rank 0", "rank 1", "predicted (planner)"} <= names
+
+
+def test_host_probe_runs_are_interleaved_with_probes_in_the_ranks(tiny_llama):
+    """``host_probe=2``: two measured generations after the warm one, every step of both kept,
+    the same tokens as a plain run, and the probe figures timed in each rank."""
+    from shardwise.runtime.launch import launch_local
+    from shardwise.runtime.runner import RunRequest, run_rank
+
+    common = dict(checkpoint=str(tiny_llama), prompt_ids=(1, 2, 3), max_new_tokens=6, tp=2, ep=1, allreduce="rd")
+    plain = launch_local(run_rank, 2, args=(RunRequest(**common),), timeout_s=120)
+    probed = launch_local(run_rank, 2, args=(RunRequest(**common, host_probe=2),), timeout_s=240)
+    for p, q in zip(plain, probed):
+        assert q["tokens"] == p["tokens"]
+        assert len(q["decode_step_s"]) == 2 * len(p["decode_step_s"]) == 2 * 5
+        host = q["host_probe"]
+        assert host["op_overhead_s"] > 0 and host["op_overhead_moe_s"] > 0 and host["collective_in_decode_s"] > 0
+    assert "host_probe" not in plain[0]

@@ -87,7 +87,7 @@ def count_rank_ops(rank: int, world: int, checkpoint: str, tp: int, ep: int, dty
 
 def with_host_probe(probe: dict[str, Any], reports: list[dict[str, Any]], allreduce: str) -> dict[str, Any]:
     """``probe`` with its host-time figures replaced by those the run's own ranks measured on
-    the probe's reference block right before and after the measured run (``RunRequest.host_probe``):
+    the probe's reference blocks interleaved with the measured runs (``RunRequest.host_probe``):
     the slowest rank's seconds per op and, with peers, the per-call all-reduce overhead inside a
     decode step over the probe's ring α-β at the reference message size."""
     from shardwise.probe import REFERENCE_MESSAGE_BYTES, _model_seconds
@@ -95,7 +95,7 @@ def with_host_probe(probe: dict[str, Any], reports: list[dict[str, Any]], allred
     figures = [r["host_probe"] for r in reports]
     out = {**probe, "op_overhead_s": max(f["op_overhead_s"] for f in figures),
            "op_overhead_moe_s": max(f["op_overhead_moe_s"] for f in figures),
-           "host_probe": "per-op and in-decode all-reduce costs timed in the run's ranks around the run"}
+           "host_probe": "per-op and in-decode all-reduce costs timed in the run's ranks between the measured runs"}
     if all("collective_in_decode_s" in f for f in figures) and probe.get("ring_fit"):
         fit, p = probe["ring_fit"], len(figures)
         in_decode = max(f["collective_in_decode_s"] for f in figures)

@@ -18,6 +18,8 @@ import typer
 from shardwise.errors import ShardwiseError
 
 BENCH_PROBE_ALGORITHMS = ("ring", "rd", "oneshot")
+BENCH_REPEATS = 3
+"""Measured generations per bench, interleaved with host probes in the same ranks."""
 
 
 def _pct(x: float | None) -> str:
@@ -139,7 +141,7 @@ def register(app: typer.Typer) -> None:
         ops = OpCounts(layers=tuple(counted["layers"]), other=counted["other"])
         common = dict(checkpoint=str(folder), prompt_ids=ids, max_new_tokens=max_new_tokens, tp=tp, ep=ep,
                       dtype=dtype, allreduce=allreduce)
-        plain = launch_local(run_rank, tp, args=(RunRequest(**common, host_probe=True),), timeout_s=timeout)
+        plain = launch_local(run_rank, tp, args=(RunRequest(**common, host_probe=BENCH_REPEATS),), timeout_s=timeout)
         probe_doc = with_host_probe(probe_doc, plain, allreduce)
         traced = launch_local(run_rank, tp, args=(RunRequest(**common, trace=True),), timeout_s=timeout)
         measured = 1.0 / max(statistics.median(r["decode_step_s"]) for r in plain)

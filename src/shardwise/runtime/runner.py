@@ -12,9 +12,10 @@ being named. It is read once per run; unset, nothing is added to the model.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,7 @@ class RunRequest:
     trace: bool = False  # time every layer of every step (runtime.trace); the report gets "trace"
     spec: SpecParams | None = None  # speculative decoding (drafter, k); the report gets "speculative"
     log: bool = False  # rank 0 prints one status line to stderr when generation starts
-    host_probe: bool = False  # time the probe's reference block right before and after generating (bench)
+    host_probe: int = 0  # bench: generate this many times, timing the probe's reference blocks before, between and after
 
 
 def slow_rank_hook(rank: int) -> float:
@@ -104,11 +105,9 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
 
         result, speculative = run_speculative(model, request, sampling, tracer)
     else:
-        host = _host_probe(world_size, request.allreduce) if request.host_probe else None
         result = generate(model, request.prompt_ids, request.max_new_tokens, sampling, tracer=tracer)
-        if host is not None:  # bracket the run: the mean of the figures before and after it
-            after = _host_probe(world_size, request.allreduce)
-            host = {k: (v + after[k]) / 2 for k, v in host.items()}
+        if request.host_probe:
+            result, host = _interleaved_runs(model, request, sampling, world_size)
     if tracer is not None:
         tracer.detach()
     return {
@@ -132,14 +131,33 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
     }
 
 
+def _interleaved_runs(model, request: RunRequest, sampling, world_size: int):
+    """``request.host_probe`` more generations (after the warm one), the host probe timed
+    before, between and after them: (a result holding every measured step, the median of each
+    probe figure). A busy or shared host drifts by tens of percent within seconds, so figures
+    from a probe run earlier would not describe this run; interleaving averages the same
+    stretch of time on both sides."""
+    from shardwise.runtime.generate import generate
+
+    probes = [_host_probe(world_size, request.allreduce)]
+    steps: list[float] = []
+    result = None
+    for _ in range(request.host_probe):
+        result = generate(model, request.prompt_ids, request.max_new_tokens, sampling)
+        steps += result.step_s
+        probes.append(_host_probe(world_size, request.allreduce))
+    host = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
+    return replace(result, step_s=steps), host
+
+
 def _host_probe(world_size: int, allreduce: str) -> dict[str, float]:
-    """The probe's per-op cost and (with peers) in-decode all-reduce cost, timed in this rank's
-    process next to the run it calibrates: a busy or shared host drifts by tens of percent
-    within a minute, so figures from a probe run earlier would not describe this run."""
+    """The probe's per-op costs (dense and MoE reference blocks) and, with peers, the
+    in-decode all-reduce cost, timed in this rank's process (shorter than `shardwise probe`)."""
     from shardwise.probe import measure_collective_in_decode, measure_op_overhead
     from shardwise.runtime.comm import get_allreduce
 
-    out = {"op_overhead_s": measure_op_overhead()[0], "op_overhead_moe_s": measure_op_overhead(reps=10, moe=True)[0]}
+    out = {"op_overhead_s": measure_op_overhead(batches=7)[0],
+           "op_overhead_moe_s": measure_op_overhead(reps=10, batches=7, moe=True)[0]}
     if world_size > 1:
-        out["collective_in_decode_s"] = measure_collective_in_decode(get_allreduce(allreduce))
+        out["collective_in_decode_s"] = measure_collective_in_decode(get_allreduce(allreduce), batches=7)
     return out
