@@ -44,7 +44,7 @@ def render(doc: dict[str, Any]) -> None:
     for term, rows in doc["totals"].items():
         parts = ", ".join(f"rank {r['rank']} {r['measured_s'] * 1e3:.2f} measured / {r['predicted_s'] * 1e3:.2f} "
                           f"predicted ({_pct(r['error'])})" for r in rows)
-        con.print(f"{term} per step: {parts}")
+        con.print(f"{'comm+wait' if term == 'comm' else term} per step: {parts}")
     con.print(f"decode: predicted [bold]{doc['predicted_tok_per_s']:.1f} tok/s[/], measured "
               f"[bold]{doc['measured_tok_per_s']:.1f} tok/s[/] (error {_pct(doc['error'])}; traced run "
               f"{doc['traced_tok_per_s']:.1f} tok/s)")
