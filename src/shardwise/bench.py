@@ -90,17 +90,17 @@ def with_host_probe(probe: dict[str, Any], reports: list[dict[str, Any]], allred
     the probe's reference blocks interleaved with the measured runs (``RunRequest.host_probe``):
     the slowest rank's seconds per op and, with peers, the per-call all-reduce overhead inside a
     decode step over the probe's ring α-β at the reference message size."""
-    from shardwise.probe import REFERENCE_MESSAGE_BYTES, _model_seconds
+    from shardwise.probe import in_decode_overhead_s
 
     figures = [r["host_probe"] for r in reports]
     out = {**probe, "op_overhead_s": max(f["op_overhead_s"] for f in figures),
            "op_overhead_moe_s": max(f["op_overhead_moe_s"] for f in figures),
            "host_probe": "per-op and in-decode all-reduce costs timed in the run's ranks between the measured runs"}
     if all("collective_in_decode_s" in f for f in figures) and probe.get("ring_fit"):
-        fit, p = probe["ring_fit"], len(figures)
-        in_decode = max(f["collective_in_decode_s"] for f in figures)
-        wire = _model_seconds(allreduce, REFERENCE_MESSAGE_BYTES, p, p, fit["alpha_s"], fit["beta_gbps"] * 1e9)
-        out["collective_overhead_s"] = {**probe.get("collective_overhead_s", {}), allreduce: max(0.0, in_decode - wire)}
+        fit, p = probe["ring_fit"], len(figures)  # local ranks: one host
+        overhead = in_decode_overhead_s(allreduce, max(f["collective_in_decode_s"] for f in figures), p, p,
+                                        fit["alpha_s"], fit["beta_gbps"] * 1e9)
+        out["collective_overhead_s"] = {**probe.get("collective_overhead_s", {}), allreduce: overhead}
     return out
 
 

@@ -277,6 +277,31 @@ REFERENCE_MESSAGE_BYTES = REFERENCE_CONFIG["hidden_size"] * 4
 """Bytes of the reference block's all-reduce message (one fp32 hidden vector)."""
 
 
+def measure_host_costs(world: int, algorithms: Sequence[str], batches: int = 15) -> dict[str, Any]:
+    """This rank's host costs on the reference blocks: seconds per op of the dense
+    (``op_overhead_s``, with ``reference_block_ops``) and MoE (``op_overhead_moe_s``) blocks and,
+    with peers, each algorithm's in-decode all-reduce seconds (``collective_in_decode_s``;
+    every rank of the group must call this together)."""
+    from shardwise.runtime.comm import get_allreduce
+
+    op_s, block_ops = measure_op_overhead(batches=batches)
+    out: dict[str, Any] = {
+        "op_overhead_s": op_s, "reference_block_ops": block_ops,
+        "op_overhead_moe_s": measure_op_overhead(reps=10, batches=batches, moe=True)[0],
+        "collective_in_decode_s": {},
+    }
+    if world > 1:
+        for name in algorithms:
+            out["collective_in_decode_s"][name] = measure_collective_in_decode(get_allreduce(name), batches=batches)
+    return out
+
+
+def in_decode_overhead_s(name: str, in_decode_s: float, p: int, local: int, alpha: float, beta: float) -> float:
+    """Per-call software overhead of all-reduce ``name``: its measured in-decode seconds over
+    its α-β time (``_model_seconds``) at the reference message size, at least 0."""
+    return max(0.0, in_decode_s - _model_seconds(name, REFERENCE_MESSAGE_BYTES, p, local, alpha, beta))
+
+
 def measure_triad(n_bytes: int, reps: int = 5) -> float:
     """STREAM triad ``a = b + 3·c`` over float32 arrays of ``n_bytes`` each: best GB/s
     (3 arrays moved per pass: 2 read, 1 written)."""
@@ -396,21 +421,13 @@ def probe_rank(rank: int, world: int, cfg: ProbeConfig, progress: Any = None) ->
     tick("memory triad")
     tflops = {d: measure_matmul(cfg.matmul_size, d) for d in cfg.dtypes}
     tick("matmul")
-    op_s, block_ops = measure_op_overhead()
-    op_moe_s = measure_op_overhead(reps=10, moe=True)[0]
-    tick("eager op overhead")
-    in_decode = {}
-    if world > 1:
-        for name in collectives:
-            in_decode[name] = measure_collective_in_decode(get_allreduce(name))
-        tick("all-reduce inside a decode step")
+    host = measure_host_costs(world, list(collectives))
+    tick("eager op overhead and all-reduce inside a decode step")
     memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
         "rank": rank, "host": hosts[rank], "local_world_size": local_world, "hosts": hosts,
         "collectives": collectives, "links": links, "triad_gbps": triad, "tflops": tflops,
-        "op_overhead_s": op_s, "reference_block_ops": block_ops, "host_memory_bytes": memory_bytes,
-        "collective_in_decode_s": in_decode, "op_overhead_moe_s": op_moe_s,
-        "threads": cfg.threads,
+        "host_memory_bytes": memory_bytes, "threads": cfg.threads, **host,
     }
 
 
@@ -421,7 +438,7 @@ def probe_steps(cfg: ProbeConfig, world: int, local_world: int) -> int:
     algs = [a for a in cfg.algorithms if a != "two-level" or world % local_world == 0]
     hosts = [f"h{i}" for i in range(world)]
     pairs = _link_pairs(world, local_world, hosts)
-    return len(cfg.sizes()) * (len(algs) + len(pairs)) + 4
+    return len(cfg.sizes()) * (len(algs) + len(pairs)) + 3
 
 
 # --------------------------------------------------------------------------- parent side
@@ -476,13 +493,14 @@ def summarize(reports: list[dict[str, Any]], cfg: ProbeConfig, backend: str) -> 
         doc["ring_fit"] = {"alpha_s": alpha, "beta_gbps": beta / 1e9}
         doc["collective_in_decode_s"] = {}
         for name, points in first["collectives"].items():
-            in_decode = [r["collective_in_decode_s"][name] for r in reports if name in r.get("collective_in_decode_s", {})]
+            in_decode = [r["collective_in_decode_s"][name] for r in reports if name in r["collective_in_decode_s"]]
             if in_decode:  # the slowest rank's: every rank waits for it
                 doc["collective_in_decode_s"][name] = max(in_decode)
-                over = [max(in_decode) - _model_seconds(name, REFERENCE_MESSAGE_BYTES, p, local, alpha, beta)]
+                overhead = in_decode_overhead_s(name, max(in_decode), p, local, alpha, beta)
             else:
-                over = [t - _model_seconds(name, n, p, local, alpha, beta) for n, t in points if n <= OVERHEAD_MAX_BYTES]
-            doc["collective_overhead_s"][name] = max(0.0, float(np.median(over))) if over else 0.0
+                small = [t - _model_seconds(name, n, p, local, alpha, beta) for n, t in points if n <= OVERHEAD_MAX_BYTES]
+                overhead = max(0.0, float(np.median(small))) if small else 0.0
+            doc["collective_overhead_s"][name] = overhead
     doc["memory_bandwidth_gbps"] = min(r["triad_gbps"] for r in reports)
     doc["memory_bandwidth_gbps_per_rank"] = [r["triad_gbps"] for r in reports]
     doc["tflops"] = {d: min(r["tflops"][d] for r in reports) for d in first["tflops"]}

@@ -99,7 +99,7 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
     if request.log and rank == 0:
         print(f"[shardwise rank 0] loaded in {load_s:.2f} s; generating up to {request.max_new_tokens} tokens",
               file=sys.stderr, flush=True)
-    speculative = None
+    speculative = host = None
     if request.spec is not None:
         from shardwise.runtime.speculative import run_speculative
 
@@ -127,7 +127,7 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
         "experts": list(local_experts(spec.moe.num_experts, plan, rank)) if spec.moe is not None else [],
         "trace": tracer.export() if tracer is not None else None,
         "speculative": speculative,
-        **({"host_probe": host} if request.host_probe and request.spec is None else {}),
+        **({"host_probe": host} if host is not None else {}),
     }
 
 
@@ -151,13 +151,12 @@ def _interleaved_runs(model, request: RunRequest, sampling, world_size: int):
 
 
 def _host_probe(world_size: int, allreduce: str) -> dict[str, float]:
-    """The probe's per-op costs (dense and MoE reference blocks) and, with peers, the
-    in-decode all-reduce cost, timed in this rank's process (shorter than `shardwise probe`)."""
-    from shardwise.probe import measure_collective_in_decode, measure_op_overhead
-    from shardwise.runtime.comm import get_allreduce
+    """The probe's host figures for this run's all-reduce, timed in this rank's process with
+    fewer batches than `shardwise probe`: per-op costs and, with peers, the in-decode cost."""
+    from shardwise.probe import measure_host_costs
 
-    out = {"op_overhead_s": measure_op_overhead(batches=7)[0],
-           "op_overhead_moe_s": measure_op_overhead(reps=10, batches=7, moe=True)[0]}
+    costs = measure_host_costs(world_size, [allreduce], batches=7)
+    out = {"op_overhead_s": costs["op_overhead_s"], "op_overhead_moe_s": costs["op_overhead_moe_s"]}
     if world_size > 1:
-        out["collective_in_decode_s"] = measure_collective_in_decode(get_allreduce(allreduce), batches=7)
+        out["collective_in_decode_s"] = costs["collective_in_decode_s"][allreduce]
     return out
