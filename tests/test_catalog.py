@@ -1,5 +1,6 @@
 """Bundled catalog: every figure sourced, DGX Spark figures, names, cluster file round trip."""
 
+import msgspec
 import pytest
 
 from shardwise.errors import ShardwiseError
@@ -91,7 +92,7 @@ def test_missing_source_is_rejected():
     sources = dict(spark.sources)
     del sources["memory_gb"]
     with pytest.raises(ValueError, match="memory_gb has no source_memory_gb"):
-        Box(**{**spark.model_dump(), "sources": sources})
+        msgspec.structs.replace(spark, sources=sources)
 
 
 def spark_cluster(measured=None):
@@ -129,6 +130,13 @@ def test_cluster_file_errors(tmp_path):
     path.write_text('[cluster]\nbox = "dgx-spark"\nboxes = 2\n')
     with pytest.raises(ShardwiseError, match="needs link"):
         load_cluster_file(path)
+    head = '[cluster]\nbox = "dgx-spark"\nlink = "100g-roce"\nboxes = 2\n[cluster.measured]\nsource = "probe"\n'
+    path.write_text(head + "memory_bandwidth_gbps = -221\n")
+    with pytest.raises(ShardwiseError, match=r"\[cluster.measured\] memory_bandwidth_gbps: Expected `float` > 0"):
+        load_cluster_file(path)
+    path.write_text(head + "link_latency = 1e-5\n")
+    with pytest.raises(ShardwiseError, match=r"\[cluster.measured\] Object contains unknown field `link_latency`"):
+        load_cluster_file(path)
     path.write_text('[cluster]\nbox = "spark"\nlink = "100g-roce"\nboxes = 2\n')
     with pytest.raises(ShardwiseError, match="box: unknown box 'spark': did you mean dgx-spark"):
         load_cluster_file(path)
@@ -136,7 +144,7 @@ def test_cluster_file_errors(tmp_path):
 
 def test_writer_refuses_silent_changes(tmp_path):
     cluster = spark_cluster()
-    tampered = cluster.model_copy(update={"box": cluster.box.model_copy(update={"memory_gb": 64})})
+    tampered = msgspec.structs.replace(cluster, box=msgspec.structs.replace(cluster.box, memory_gb=64))
     with pytest.raises(ShardwiseError, match="not the catalog box"):
         write_cluster_file(tampered, tmp_path / "x.toml")
 

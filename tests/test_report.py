@@ -146,8 +146,13 @@ def test_input_kinds_are_detected_and_bad_documents_named():
     assert classify(bench, "b")[0] == "bench"
     with pytest.raises(ShardwiseError, match="t.json: trace document: a trace needs at least one entry"):
         classify({**bench, "kind": "trace"}, "t.json")
-    with pytest.raises(ShardwiseError, match="measured_tok_per_s"):
+    with pytest.raises(ShardwiseError, match=r"b.json: bench document: measured_tok_per_s: Expected `float` > 0"):
         classify({**bench, "measured_tok_per_s": -1}, "b.json")
+    layer = {"layer": 0, "kind": "moe", "rank": 0, "compute_s": 1e-3, "comm_s": 1e-4, "wait_s": 0.0}
+    with pytest.raises(ShardwiseError, match=r"layers\[1\].rank: Expected `int` >= 0"):
+        classify({**bench, "layers": [layer, {**layer, "rank": -1}]}, "b.json")
+    with pytest.raises(ShardwiseError, match="layer 0 rank 0 is listed twice"):
+        classify({**bench, "layers": [layer, layer]}, "b.json")
     with pytest.raises(ShardwiseError, match="sweep row 0 lacks watts"):
         classify([{"model": "m", "box": "b", "boxes": 1, "link": "l", "tp": 1, "ep": 1, "pp": 1, "tok_per_s": 1.0,
                    "usd": 1.0, "bottleneck": "x"}], "s.json")

@@ -134,15 +134,17 @@ def calibrated_profile(probe: dict[str, Any], allreduce: str, ops: OpCounts, moe
 
 def probe_cluster(probe: dict[str, Any], dtype: str):
     """(box, link) from a probe document, the box's peak TFLOPS set to the run dtype's."""
+    import msgspec
+
     from shardwise.spec.hardware import Measured, apply_measured, get_box, get_link
 
     table = probe["cluster"]["cluster"]
-    measured = Measured(**table["measured"]) if "measured" in table else None
+    measured = msgspec.convert(table["measured"], Measured) if "measured" in table else None
     box, link = apply_measured(get_box(table["box"]), get_link(table["link"]), measured)
     fmt = DTYPE_FORMAT[dtype]
     if fmt in probe.get("tflops", {}):
         sources = {**box.sources, "tflops_bf16": f"measured: shardwise probe {fmt} matmul (the run's dtype)"}
-        box = box.model_copy(update={"tflops_bf16": probe["tflops"][fmt], "sources": sources})
+        box = msgspec.structs.replace(box, tflops_bf16=probe["tflops"][fmt], sources=sources)
     return box, link
 
 

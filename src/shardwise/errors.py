@@ -14,3 +14,12 @@ def unknown_name(kind: str, name: str, known: Iterable[str]) -> ShardwiseError:
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(known)}"
     return ShardwiseError(f"unknown {kind} '{name}': {hint}")
+
+
+def validation_message(exc: Exception) -> str:
+    """A msgspec validation error as ``path: message`` (``Expected `float` > 0.0 - at `$.memory_gb```
+    becomes ``memory_gb: Expected `float` > 0.0``)."""
+    message, _, where = str(exc).rpartition(" - at `$")
+    if not message:
+        return str(exc)
+    return f"{where.rstrip('`').lstrip('.')}: {message}"

@@ -32,29 +32,31 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import msgspec
+from msgspec import Meta, Struct
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ShardwiseError, validation_message
 
 SWEEP_ROW_KEYS = ("model", "box", "boxes", "link", "tp", "ep", "pp", "tok_per_s", "usd", "watts", "bottleneck")
 
+Seconds = Annotated[float, Meta(ge=0)]
+Count = Annotated[int, Meta(ge=1)]
 
-class LayerTiming(BaseModel):
+
+class LayerTiming(Struct, frozen=True, kw_only=True):
     """One layer on one rank in one decode step (seconds). Extra keys the runtime writes
     (``mlp``, ``sync_s``, per-term errors, ...) are ignored."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    layer: int = Field(ge=0)
+    layer: Annotated[int, Meta(ge=0)]
     kind: str
-    rank: int = Field(ge=0)
-    compute_s: float = Field(ge=0)
-    comm_s: float = Field(ge=0)
-    wait_s: float = Field(ge=0)
-    predicted_compute_s: float | None = Field(default=None, ge=0)
-    predicted_comm_s: float | None = Field(default=None, ge=0)
+    rank: Annotated[int, Meta(ge=0)]
+    compute_s: Seconds
+    comm_s: Seconds
+    wait_s: Seconds
+    predicted_compute_s: Seconds | None = None
+    predicted_comm_s: Seconds | None = None
 
     @property
     def has_prediction(self) -> bool:
@@ -62,27 +64,24 @@ class LayerTiming(BaseModel):
         return self.predicted_compute_s is not None and self.predicted_comm_s is not None
 
 
-class RunDocument(BaseModel):
+class RunDocument(Struct, frozen=True, kw_only=True):
     """A bench or trace document (schema in the module docstring; other keys ignored)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
     kind: Literal["bench", "trace"]
-    model: str = Field(min_length=1)
-    predicted_tok_per_s: float | None = Field(default=None, gt=0)
-    measured_tok_per_s: float = Field(gt=0)
+    model: Annotated[str, Meta(min_length=1)]
+    predicted_tok_per_s: Annotated[float, Meta(gt=0)] | None = None
+    measured_tok_per_s: Annotated[float, Meta(gt=0)]
     source: str = ""
     box: str | None = None
-    boxes: int | None = Field(default=None, ge=1)
+    boxes: Count | None = None
     link: str | None = None
-    tp: int | None = Field(default=None, ge=1)
-    ep: int | None = Field(default=None, ge=1)
-    pp: int | None = Field(default=None, ge=1)
-    context_tokens: int | None = Field(default=None, ge=1)
+    tp: Count | None = None
+    ep: Count | None = None
+    pp: Count | None = None
+    context_tokens: Count | None = None
     layers: tuple[LayerTiming, ...] = ()
 
-    @model_validator(mode="after")
-    def _trace_has_layers(self):
+    def __post_init__(self) -> None:
         if self.kind == "trace" and not self.layers:
             raise ValueError("a trace needs at least one entry in layers")
         if self.kind == "bench" and self.predicted_tok_per_s is None:
@@ -93,7 +92,6 @@ class RunDocument(BaseModel):
             if key in seen:
                 raise ValueError(f"layer {entry.layer} rank {entry.rank} is listed twice")
             seen.add(key)
-        return self
 
 
 @dataclass
@@ -129,11 +127,9 @@ def classify(doc, where: str):
         return "plan", doc
     if isinstance(doc, dict) and doc.get("kind") in ("bench", "trace"):
         try:
-            run = RunDocument(**doc)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            raise ShardwiseError(f"{where}: {doc['kind']} document: {loc + ': ' if loc else ''}{err['msg'].removeprefix('Value error, ')}") from None
+            run = msgspec.convert(doc, RunDocument)
+        except msgspec.ValidationError as exc:
+            raise ShardwiseError(f"{where}: {doc['kind']} document: {validation_message(exc)}") from None
         return run.kind, run
     raise ShardwiseError(
         f"{where}: not a plan (decode.waterfall), sweep (list of rows) or bench/trace (kind: bench|trace) document"

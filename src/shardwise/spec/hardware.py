@@ -34,21 +34,21 @@ import tomllib
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from msgspec import Meta, Struct
 
-from shardwise.errors import ShardwiseError, unknown_name
+from shardwise.errors import ShardwiseError, unknown_name, validation_message
 from shardwise.topology import Topology, topology_from_toml, topology_to_toml
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
+Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
 
 
-class _Sourced(BaseModel):
+class _Sourced(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A catalog entry whose figures each carry a source and maybe an estimate flag."""
-
-    model_config = _FROZEN
 
     key: str
     name: str
@@ -57,8 +57,7 @@ class _Sourced(BaseModel):
 
     FIGURES: ClassVar[tuple[str, ...]] = ()
 
-    @model_validator(mode="after")
-    def _every_figure_sourced(self):
+    def __post_init__(self) -> None:
         present = {f for f in self.FIGURES if getattr(self, f) is not None}
         missing = sorted(present - set(self.sources))
         if missing:
@@ -69,14 +68,13 @@ class _Sourced(BaseModel):
         bad = sorted(self.estimates - present)
         if bad:
             raise ValueError(f"estimates lists '{bad[0]}', which is not a set figure")
-        return self
 
     def is_estimate(self, figure: str) -> bool:
         """True when ``figure`` is an estimate rather than a published/measured number."""
         return figure in self.estimates
 
 
-class Box(_Sourced):
+class Box(_Sourced, frozen=True, kw_only=True):
     """One machine that runs ranks.
 
     ``memory_gb`` (GB) and ``memory_bandwidth_gbps`` (GB/s) are what one rank can use
@@ -86,18 +84,18 @@ class Box(_Sourced):
     ``builder_price_usd`` is what the seed cluster's builder paid, where known.
     """
 
-    memory_gb: float = Field(gt=0)
-    memory_bandwidth_gbps: float = Field(gt=0)
-    tflops_bf16: float = Field(gt=0)
-    tflops_fp8: float | None = Field(default=None, gt=0)
-    tflops_fp4: float | None = Field(default=None, gt=0)
+    memory_gb: Positive
+    memory_bandwidth_gbps: Positive
+    tflops_bf16: Positive
+    tflops_fp8: Positive | None = None
+    tflops_fp4: Positive | None = None
     nic: str
-    nic_gbit_s: float = Field(gt=0)
-    idle_watts: float = Field(gt=0)
-    load_watts: float = Field(gt=0)
-    rated_watts: float = Field(gt=0)
-    list_price_usd: float = Field(gt=0)
-    builder_price_usd: float | None = Field(default=None, gt=0)
+    nic_gbit_s: Positive
+    idle_watts: Positive
+    load_watts: Positive
+    rated_watts: Positive
+    list_price_usd: Positive
+    builder_price_usd: Positive | None = None
 
     FIGURES: ClassVar[tuple[str, ...]] = (
         "memory_gb",
@@ -125,7 +123,7 @@ class Box(_Sourced):
         return self.memory_bandwidth_gbps * 1e9
 
 
-class Link(_Sourced):
+class Link(_Sourced, frozen=True, kw_only=True):
     """A kind of interconnect between boxes.
 
     ``bandwidth_gbps`` is effective GB/s per direction, ``latency_s`` the per-message
@@ -136,12 +134,12 @@ class Link(_Sourced):
 
     kind: Literal["tcp", "rdma", "pcie", "nvlink"]
     aliases: tuple[str, ...] = ()
-    bandwidth_gbps: float = Field(gt=0)
-    latency_s: float = Field(ge=0)
+    bandwidth_gbps: Positive
+    latency_s: NonNegative
     switch: str | None = None
-    switch_ports: int | None = Field(default=None, gt=0)
-    switch_watts: float | None = Field(default=None, gt=0)
-    switch_price_usd: float | None = Field(default=None, gt=0)
+    switch_ports: Annotated[int, Meta(gt=0)] | None = None
+    switch_watts: Positive | None = None
+    switch_price_usd: Positive | None = None
 
     FIGURES: ClassVar[tuple[str, ...]] = (
         "bandwidth_gbps",
@@ -158,7 +156,7 @@ class Link(_Sourced):
         return self.bandwidth_gbps * 1e9
 
 
-class Measured(BaseModel):
+class Measured(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Figures measured on a cluster (by ``shardwise probe``) that replace catalog ones.
 
     ``memory_bandwidth_gbps`` GB/s, ``link_bandwidth_gbps`` GB/s per direction,
@@ -166,57 +164,44 @@ class Measured(BaseModel):
     TFLOPS; ``source`` says when and how.
     """
 
-    model_config = _FROZEN
-
-    source: str = Field(min_length=1)
-    memory_gb: float | None = Field(default=None, gt=0)
-    memory_bandwidth_gbps: float | None = Field(default=None, gt=0)
-    tflops_bf16: float | None = Field(default=None, gt=0)
-    link_bandwidth_gbps: float | None = Field(default=None, gt=0)
-    link_latency_s: float | None = Field(default=None, ge=0)
+    source: Annotated[str, Meta(min_length=1)]
+    memory_gb: Positive | None = None
+    memory_bandwidth_gbps: Positive | None = None
+    tflops_bf16: Positive | None = None
+    link_bandwidth_gbps: Positive | None = None
+    link_latency_s: NonNegative | None = None
 
 
-class Catalog(BaseModel):
+class Catalog(Struct, frozen=True, kw_only=True):
     """Every bundled box and link, by key; ``link_aliases`` maps alias → key."""
-
-    model_config = _FROZEN
 
     boxes: dict[str, Box]
     links: dict[str, Link]
     link_aliases: dict[str, str]
 
 
-class ClusterSpec(BaseModel):
+class ClusterSpec(Struct, frozen=True, kw_only=True):
     """``boxes`` identical ``box`` machines joined by ``link``, optionally wired as ``topology``.
 
     ``box`` and ``link`` already carry ``measured`` figures where there are any.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
-
     box: Box
-    boxes: int = Field(ge=1)
+    boxes: int
     link: Link
     topology: Topology | None = None
     measured: Measured | None = None
 
-    @model_validator(mode="after")
-    def _hosts_match(self):
+    def __post_init__(self) -> None:
+        if isinstance(self.boxes, bool) or not isinstance(self.boxes, int) or self.boxes < 1:
+            raise ValueError(f"boxes must be a whole number >= 1, got {self.boxes!r}")
         if self.topology is not None and len(self.topology.hosts) != self.boxes:
             raise ValueError(f"boxes = {self.boxes} but the topology lists {len(self.topology.hosts)} hosts")
-        return self
 
     @property
     def memory_gb(self) -> float:
         """Memory of all boxes together, GB."""
         return self.box.memory_gb * self.boxes
-
-
-def _first_error(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"])
-    message = error["msg"].removeprefix("Value error, ")
-    return f"{where}: {message}" if where else message
 
 
 def _entry(model: type[_Sourced], key: str, table: Any, origin: str) -> Any:
@@ -229,9 +214,9 @@ def _entry(model: type[_Sourced], key: str, table: Any, origin: str) -> Any:
         else:
             fields[name] = value
     try:
-        return model(**fields)
-    except ValidationError as exc:
-        raise ShardwiseError(f"{origin}: [{key}] {_first_error(exc)}") from None
+        return msgspec.convert(fields, model)
+    except msgspec.ValidationError as exc:
+        raise ShardwiseError(f"{origin}: [{key}] {validation_message(exc)}") from None
 
 
 def _read_catalog_file(name: str) -> dict[str, Any]:
@@ -299,7 +284,7 @@ def _updated(entry: _Sourced, updates: dict[str, float | None], measured: Measur
         return entry
     sources = dict(entry.sources)
     sources.update({field: f"measured: {measured.source}" for field in changes})
-    return entry.model_copy(update={**changes, "sources": sources, "estimates": entry.estimates - set(changes)})
+    return msgspec.structs.replace(entry, **changes, sources=sources, estimates=entry.estimates - set(changes))
 
 
 def _read_toml(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -374,9 +359,9 @@ def _measured(table: dict[str, Any], where: str) -> Measured | None:
     if not isinstance(raw, dict):
         raise ShardwiseError(f"{where}: [cluster.measured] must be a table")
     try:
-        return Measured(**raw)
-    except ValidationError as exc:
-        raise ShardwiseError(f"{where}: [cluster.measured] {_first_error(exc)}") from None
+        return msgspec.convert(raw, Measured)
+    except msgspec.ValidationError as exc:
+        raise ShardwiseError(f"{where}: [cluster.measured] {validation_message(exc)}") from None
 
 
 def load_cluster_file(path: str | Path) -> ClusterSpec:
@@ -424,7 +409,7 @@ def cluster_to_toml(cluster: ClusterSpec) -> dict[str, Any]:
         )
     table: dict[str, Any] = {"box": cluster.box.key, "link": cluster.link.key, "boxes": cluster.boxes}
     if cluster.measured is not None:
-        table["measured"] = cluster.measured.model_dump(exclude_none=True)
+        table["measured"] = {k: v for k, v in msgspec.structs.asdict(cluster.measured).items() if v is not None}
     doc: dict[str, Any] = {"cluster": table}
     if cluster.topology is not None:
         doc.update(topology_to_toml(cluster.topology))
