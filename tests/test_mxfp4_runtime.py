@@ -1,6 +1,7 @@
 """MXFP4 checkpoints end to end: writing (gpt-oss and compressed-tensors layouts), loading
 each rank's packed slices, running at tp = 1 and 2 (real gloo processes), resident bytes
-against the planner, transformers' own MXFP4 loader, and bad input.
+against the planner, transformers' own MXFP4 loader, the compressed-tensors library's
+decompression, and bad input.
 
 The reference for a quantized checkpoint is the float32 model whose weights equal
 decode(blocks, scales) exactly (``dequantize_checkpoint``); for gpt-oss it is also
@@ -158,6 +159,31 @@ def test_transformers_reads_our_gpt_oss_checkpoint(ckpts):
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits
     assert (_logits(ckpts["hf_float"]) - ref).abs().max().item() <= 1e-4
+
+
+def test_compressed_tensors_reads_our_checkpoints(ckpts):
+    """The compressed-tensors library (through transformers' loader) decompresses exactly the
+    modules we packed, to our decoded weights bit for bit, and its model gives our logits."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    for key in ("qwen3_moe", "deepseek_v3"):
+        hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+            ckpts[key], dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True),
+            output_loading_info=True,
+        )
+        # a module we packed that the library's ignore/target matching kept float (or the reverse)
+        # would leave its weight missing and our weight_packed unexpected
+        assert not any(info.values()), f"{key}: {info}"
+        theirs = dict(hf.eval().named_parameters())
+        reference = dict(transformers.AutoModelForCausalLM.from_pretrained(ckpts[key + "_ref"], dtype=torch.float32)
+                         .named_parameters())
+        assert set(reference) == set(theirs)
+        for name, t in theirs.items():  # MXFP4 values are exact in bf16: no tolerance
+            assert torch.equal(t.float(), reference[name]), (key, name)
+        with torch.no_grad():
+            logits = hf.float()(torch.tensor([PROMPT])).logits
+        diff = (_logits(ckpts[key]) - logits).abs().max().item()
+        assert diff <= 1e-4, f"{key}: max |Δlogit| vs compressed-tensors = {diff:.3g}"
 
 
 def _rank_cases(rank: int, world_size: int, cases: list) -> list[dict]:

@@ -20,7 +20,8 @@ against vllm-project/compressed-tensors:
   power of two when its mantissa is ≥ 1.75 — neither our "ocp" nor our "up" rounding
   exactly, which matters only for re-encoding, not for decoding.
 So `weight_packed.reshape(out, in/32, 16)` is exactly the gpt-oss/codec block layout
-for one expert and `weight_scale` needs no conversion.
+for one expert and `weight_scale` needs no conversion. tests/test_mxfp4_runtime.py has
+the library itself (through transformers' loader) decompress checkpoints we write.
 
 The validators accept numpy arrays or anything with `.shape` and `.dtype` (torch
 tensors included), so the runtime loader can check tensors without this module
