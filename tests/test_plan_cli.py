@@ -139,6 +139,9 @@ def test_human_output_renders_tables():
         (["--boxes", "4"], "does not fit on 4 x"),
         (["--model", "/nonexistent/config.json"], "does not exist"),
         (["--tp", "8", "--pp", "1"], "--boxes is 16"),
+        (["--draft-model", "llama-3.1-8b"], "--draft-model needs --spec-tokens k"),
+        (["--spec-tokens", "4", "--draft-model", "llama-3.1-8b"], "must share the target's vocabulary"),
+        (["--spec-tokens", "4", "--draft-model", "llama-3.1-8c"], "unknown model 'llama-3.1-8c': did you mean"),
     ],
 )
 def test_errors_are_one_line_without_traceback(args, message):
@@ -151,6 +154,36 @@ def test_errors_are_one_line_without_traceback(args, message):
 def test_not_fitting_says_how_many_boxes_would():
     proc = shardwise("plan", "--boxes", "4")
     assert "it needs 15 boxes" in proc.stderr or "it needs 16 boxes" in proc.stderr
+
+
+DRAFTED = ["--model", "llama-3.1-405b", "--boxes", "16", "--spec-tokens", "4", "--workload", "code-edit"]
+
+
+def test_draft_model_costs_its_own_decode_steps_and_memory_on_every_box():
+    """A draft model's cost is the same model planned alone on one box: its step time k times
+    per verify step, and its weights + cache on every box."""
+    free = plan_json(*DRAFTED)
+    drafted = plan_json(*DRAFTED, "--draft-model", "llama-3.1-8b")
+    alone = plan_json("--model", "llama-3.1-8b", "--boxes", "1")
+    spec = drafted["decode"]["speculative"]
+    assert spec["draft_model"] == "llama-3.1-8b" and free["decode"]["speculative"]["draft_model"] is None
+    assert spec["draft_step_s"] == pytest.approx(alone["decode"]["step_s"])
+    assert drafted["decode"]["tok_per_s"] == pytest.approx(
+        spec["tokens_per_step"] / (spec["verify_step_s"] + 4 * alone["decode"]["step_s"]))
+    assert free["decode"]["tok_per_s"] == pytest.approx(spec["tokens_per_step"] / spec["verify_step_s"])
+    assert drafted["decode"]["waterfall"][-1]["step"] == "draft model"
+    assert drafted["decode"]["tok_per_s"] == pytest.approx(drafted["decode"]["waterfall"][-1]["tok_per_s"])
+    held = alone["memory"]["total_weight_bytes"] + alone["memory"]["kv_bytes"]
+    assert drafted["memory"]["draft_bytes"] == pytest.approx(held)
+    assert free["memory"]["draft_bytes"] == 0
+    assert free["memory"]["free_bytes"] - drafted["memory"]["free_bytes"] == pytest.approx(held)
+
+
+def test_draft_model_memory_can_need_another_box():
+    base = ["--model", "llama-3.1-405b", "--boxes", "8", "--spec-tokens", "4"]
+    assert plan_json(*base)["memory"]["fits"]
+    proc = shardwise("plan", *base, "--draft-model", "llama-3.1-8b")
+    assert proc.returncode == 2 and "does not fit on 8 x" in proc.stderr and "it needs 9 boxes" in proc.stderr
 
 
 def test_malformed_and_unsupported_configs(tmp_path):

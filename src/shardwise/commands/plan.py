@@ -38,7 +38,7 @@ def build_scenario(
     model: str, box: str, boxes: int | None, link: str, tp: int | None, ep: int | None, pp: int | None,
     context: int, prompt_tokens: int, spec_tokens: int, acceptance: float | None, workload: str | None,
     runtime: str, quant: str | None, experts: str | None, dense: str | None, price: float | None,
-    kv_dtype: str, cluster: str | None = None,
+    kv_dtype: str, cluster: str | None = None, draft_model: str | None = None,
 ):
     """Resolve CLI inputs into a validated Scenario (one-line errors on bad input)."""
     from shardwise.perf.estimate import Scenario
@@ -85,6 +85,7 @@ def build_scenario(
         get_format(dense)
         formats.update({g: dense for g in MATMUL_GROUPS if g != ROUTED_EXPERTS})
     kv_bytes, acc = decode_inputs(kv_dtype, spec_tokens, acceptance, workload)
+    draft = _draft_model(draft_model, spec, spec_tokens)
     if context < 1:
         raise ShardwiseError(f"--context must be >= 1 token, got {context}")
     if price is not None:
@@ -98,8 +99,25 @@ def build_scenario(
         model=spec, box=box_obj, boxes=n, link=link_obj, plan=plan, formats=formats,
         profile=get_profile(runtime), context_tokens=context, prompt_tokens=prompt_tokens,
         spec_tokens=spec_tokens, acceptance=acc, price_usd=unit_price, price_note=price_note,
-        kv_bytes=kv_bytes, topology=topology,
+        kv_bytes=kv_bytes, topology=topology, draft=draft,
     )
+
+
+def _draft_model(name: str | None, target, spec_tokens: int):
+    """The ``--draft-model`` spec, checked against the target (one-line errors)."""
+    from shardwise.spec.model import load_model
+
+    if name is None:
+        return None
+    if not spec_tokens:
+        raise ShardwiseError("--draft-model needs --spec-tokens k (tokens it drafts per verify step)")
+    draft = load_model(name)
+    if draft.vocab_size != target.vocab_size:
+        raise ShardwiseError(
+            f"--draft-model {draft.name} has a {draft.vocab_size:,}-token vocabulary but {target.name} has "
+            f"{target.vocab_size:,}: a draft model must share the target's vocabulary"
+        )
+    return draft
 
 
 def render(doc: dict) -> None:
@@ -117,9 +135,13 @@ def render(doc: dict) -> None:
     )
     con.print(f"[dim]{m['active_convention']}[/]")
     t = Table(title="Memory per box (fullest rank)")
-    for col in ("weights GB", "KV GB", "workspace GB", "reserve GB", "free GB", "box GB"):
+    columns = {"weights GB": "weights_bytes", "KV GB": "kv_bytes", "workspace GB": "workspace_bytes",
+               "reserve GB": "reserve_bytes", "draft model GB": "draft_bytes", "free GB": "free_bytes", "box GB": "box_bytes"}
+    if not mem["draft_bytes"]:
+        del columns["draft model GB"]
+    for col in columns:
         t.add_column(col, justify="right")
-    t.add_row(*(f"{mem[k] / gb:,.1f}" for k in ("weights_bytes", "kv_bytes", "workspace_bytes", "reserve_bytes", "free_bytes", "box_bytes")))
+    t.add_row(*(f"{mem[k] / gb:,.1f}" for k in columns.values()))
     con.print(t)
     con.print(
         f"boxes needed: {mem['min_boxes_weights']} by weights alone ({mem['total_weight_bytes'] / gb:,.0f} GB), "
@@ -175,6 +197,8 @@ def register(app: typer.Typer) -> None:
         spec_tokens: Annotated[int, typer.Option(help="speculative draft tokens per step (0 = off)")] = 0,
         acceptance: Annotated[Optional[float], typer.Option(help="per-token draft acceptance in (0, 1)")] = None,
         workload: Annotated[Optional[str], typer.Option(help="named acceptance: code-edit or chat")] = None,
+        draft_model: Annotated[Optional[str], typer.Option(
+            help="draft model (catalog key or config.json) run on every box; default: a free drafter (prompt lookup)")] = None,
         runtime: Annotated[str, typer.Option(help="runtime profile: ideal, vllm, llama-cpp, mlx, shardwise")] = "vllm",
         quant: Annotated[Optional[str], typer.Option(help="one format for every matmul weight")] = None,
         experts: Annotated[Optional[str], typer.Option(help="format of the routed experts")] = None,
@@ -189,7 +213,7 @@ def register(app: typer.Typer) -> None:
 
         sc = build_scenario(
             model, box, boxes, link, tp, ep, pp, context, prompt_tokens, spec_tokens, acceptance, workload,
-            runtime, quant, experts, dense, price, kv_dtype, cluster,
+            runtime, quant, experts, dense, price, kv_dtype, cluster, draft_model,
         )
         doc = estimate(sc)
         if not doc["memory"]["fits"]:

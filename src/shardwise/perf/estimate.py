@@ -30,6 +30,9 @@ class Scenario:
 
     box / link: catalog entries (see ``shardwise.spec.hardware``); price_usd is per box.
     formats: quantization format name per tensor group.
+    draft: the speculative draft model, if one (None: a model-free drafter such as prompt
+    lookup, which costs nothing per step); it runs whole on every box at its config's formats,
+    ``spec_tokens`` decode steps per verify step, as the runtime runs it.
     """
 
     model: ModelSpec
@@ -48,6 +51,7 @@ class Scenario:
     kv_bytes: float = 2.0
     reserve_fraction: float = 0.10
     topology: object | None = None  # shardwise.topology.Topology of the cluster file, if any
+    draft: ModelSpec | None = None
     notes: tuple[str, ...] = field(default=())
 
 
@@ -109,9 +113,32 @@ def profile_kwargs(profile: RuntimeProfile) -> dict:
     )
 
 
+SINGLE_BOX = ParallelPlan(tp=1, ep=1, pp=1)
+
+
+def draft_bytes(sc: Scenario) -> float:
+    """Bytes the draft model holds on every box: its weights at its config's formats and its
+    cache at the scenario's context (0 without a draft model)."""
+    if sc.draft is None:
+        return 0.0
+    bits = formats_bits(sc.draft.group_formats())
+    return total_weight_bytes(sc.draft, bits) + sc.draft.cache_bytes(sc.context_tokens, sc.kv_bytes)
+
+
+def draft_step(sc: Scenario, hw: Hardware, **kwargs) -> StepCost | None:
+    """One decode step of the draft model, whole on one box (tp = 1: no collectives), or None."""
+    if sc.draft is None:
+        return None
+    bits = formats_bits(sc.draft.group_formats())
+    layers = layer_costs(sc.draft, SINGLE_BOX, bits, sc.kv_bytes)
+    return step_cost(sc.draft, SINGLE_BOX, layers, bits, hw, sc.context_tokens, 1, **kwargs)
+
+
 def decode_speed(sc: Scenario, layers=None, hw: Hardware | None = None, **overrides) -> tuple[float, StepCost, StepCost, float]:
     """(tok/s, plain step, final step, tokens per final step) under the scenario's profile.
 
+    With speculation the final step is the verify pass; a draft model adds ``spec_tokens``
+    of its own decode steps to every verify step.
     ``overrides`` replace profile factors (used by calibration); ``layers`` and ``hw`` can be precomputed.
     """
     bits = formats_bits(sc.formats)
@@ -124,7 +151,9 @@ def decode_speed(sc: Scenario, layers=None, hw: Hardware | None = None, **overri
         return _tok(plain), plain, plain, 1.0
     tokens = tokens_per_step(sc.spec_tokens, sc.acceptance)
     verify = step_cost(sc.model, sc.plan, layers, bits, hw, sc.context_tokens, sc.spec_tokens + 1, **kwargs)
-    return _tok(verify, tokens), plain, verify, tokens
+    draft = draft_step(sc, hw, **kwargs)
+    drafting_s = sc.spec_tokens * draft.total_s if draft is not None else 0.0
+    return tokens / (verify.total_s + drafting_s), plain, verify, tokens
 
 
 def estimate(sc: Scenario) -> dict:
@@ -194,21 +223,31 @@ def estimate(sc: Scenario) -> dict:
     steps.append({"step": "host overhead", "tok_per_s": _tok(plain),
                   "cause": f"{prof.step_overhead_s * 1e3:.2f} ms per step (launches, sampling, scheduling)"})
     spec = None
+    drafting_s = 0.0
     if sc.spec_tokens:
+        draft = draft_step(sc, hw, **profile_kwargs(prof))
+        drafting_s = sc.spec_tokens * draft.total_s if draft is not None else 0.0
         spec = {
             "spec_tokens": sc.spec_tokens, "acceptance": sc.acceptance, "tokens_per_step": tokens,
             "verify_step_s": final.total_s, "plain_step_s": plain.total_s,
-            "verify_experts_busiest": final.experts_busiest, "speedup": _tok(final, tokens) / _tok(plain),
+            "verify_experts_busiest": final.experts_busiest, "speedup": tok_per_s / _tok(plain),
+            "draft_model": sc.draft.name if sc.draft is not None else None,
+            "draft_step_s": draft.total_s if draft is not None else 0.0, "drafting_s": drafting_s,
         }
         steps.append({"step": "speculative decoding", "tok_per_s": _tok(final, tokens),
                       "cause": f"{sc.spec_tokens} drafts at acceptance {sc.acceptance:g}: {tokens:.2f} tokens per "
                                f"verify step of {final.total_s * 1e3:.1f} ms (vs {plain.total_s * 1e3:.1f} ms)"
                                + (f"; verify reads {final.experts_busiest:.1f} experts on the busiest rank" if m.moe else "")})
+        if draft is not None:
+            steps.append({"step": "draft model", "tok_per_s": tok_per_s,
+                          "cause": f"{sc.draft.name} drafts on every box: {sc.spec_tokens} x {draft.total_s * 1e3:.2f} ms "
+                                   f"= {drafting_s * 1e3:.1f} ms per verify step"})
     parts = {
         "memory bandwidth": final.memory_s if final.memory_s >= final.compute_s else 0.0,
         "compute": final.compute_s if final.compute_s > final.memory_s else 0.0,
         "network latency": final.collective_s,
         "host overhead": final.overhead_s,
+        "drafting": drafting_s,
     }
     bottleneck = max(parts, key=parts.get)
     imbalance = None
@@ -219,7 +258,7 @@ def estimate(sc: Scenario) -> dict:
             **{f"monte_carlo_{k}": v for k, v in load_percentiles(m.moe.num_experts, m.moe.top_k, plan.ep, samples=2000).items()},
         }
 
-    fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction)
+    fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction, draft_bytes(sc))
     prefill = _prefill(sc, layers, bits, hw)
     power = _power(sc, tok_per_s)
     cost = _cost(sc, tok_per_s)
@@ -242,7 +281,8 @@ def estimate(sc: Scenario) -> dict:
                  "ring": rings},
         "memory": {
             "box_bytes": fit.box_bytes, "weights_bytes": fit.weights_bytes, "kv_bytes": fit.kv_bytes,
-            "workspace_bytes": fit.workspace_bytes, "reserve_bytes": fit.reserve_bytes, "free_bytes": fit.free_bytes,
+            "workspace_bytes": fit.workspace_bytes, "reserve_bytes": fit.reserve_bytes,
+            "draft_bytes": fit.replicated_bytes, "free_bytes": fit.free_bytes,
             "total_weight_bytes": fit.total_weight_bytes, "min_boxes_weights": fit.min_boxes_weights,
             "min_boxes": fit.min_boxes, "min_boxes_layout": fit.min_boxes_layout, "fits": fit.fits,
             "context_tokens": ctx,

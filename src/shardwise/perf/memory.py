@@ -4,6 +4,8 @@ workspace, and an OS/runtime reserve.
 Reserve: a fraction of each box's memory is kept for the OS, the runtime and fragmentation
 (default 10%, the headroom vLLM leaves at its default ``gpu_memory_utilization = 0.9``).
 Workspace: activations and logits of one prefill chunk (2048 tokens) in fp32.
+Replicated: bytes every box holds whole besides its shard (a speculative draft model's
+weights and cache: the runtime runs the drafter on every rank).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ class MemoryFit:
     kv_bytes: float  # fullest rank's cache at the target context
     workspace_bytes: float
     reserve_bytes: float
+    replicated_bytes: float  # held whole on every box (draft model weights + cache)
     total_weight_bytes: float  # whole model at its formats
-    min_boxes_weights: int  # weights alone over box memory, no reserves
+    min_boxes_weights: int  # weights alone over box memory (less replicated bytes), no reserves
     min_boxes: int  # weights + cache + workspace + reserve, split evenly
     min_boxes_layout: int | None  # smallest count whose default layout fits
     fits: bool
@@ -37,7 +40,7 @@ class MemoryFit:
     @property
     def used_bytes(self) -> float:
         """Bytes the fullest rank needs."""
-        return self.weights_bytes + self.kv_bytes + self.workspace_bytes + self.reserve_bytes
+        return self.weights_bytes + self.kv_bytes + self.workspace_bytes + self.reserve_bytes + self.replicated_bytes
 
     @property
     def free_bytes(self) -> float:
@@ -103,10 +106,10 @@ def _fullest_rank(model: ModelSpec, plan: ParallelPlan, formats_bits, context_to
     return best
 
 
-def fits(model, plan, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction) -> bool:
-    """True when the fullest rank's weights, cache, workspace and reserve fit in ``box_bytes``."""
+def fits(model, plan, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction, replicated_bytes=0.0) -> bool:
+    """True when the fullest rank's weights, cache, workspace, reserve and replicated bytes fit in ``box_bytes``."""
     w, kv = _fullest_rank(model, plan, formats_bits, context_tokens, kv_bytes)
-    return w + kv + workspace_bytes(model, plan) + reserve_fraction * box_bytes <= box_bytes
+    return w + kv + workspace_bytes(model, plan) + reserve_fraction * box_bytes + replicated_bytes <= box_bytes
 
 
 def memory_fit(
@@ -117,15 +120,18 @@ def memory_fit(
     kv_bytes: float,
     box_bytes: float,
     reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
+    replicated_bytes: float = 0.0,
 ) -> MemoryFit:
-    """Per-box memory of ``plan`` and the minimum box counts for this model on this box."""
+    """Per-box memory of ``plan`` and the minimum box counts for this model on this box
+    (``replicated_bytes``: held whole on every box, e.g. a draft model)."""
     w, kv = _fullest_rank(model, plan, formats_bits, context_tokens, kv_bytes)
     work = workspace_bytes(model, plan)
     reserve = reserve_fraction * box_bytes
     total = total_weight_bytes(model, formats_bits)
-    min_weights = math.ceil(total / box_bytes)
+    room = box_bytes - replicated_bytes
+    min_weights = math.ceil(total / room) if room > 0 else 0
     whole_cache = model.cache_bytes(context_tokens, kv_bytes)
-    usable = box_bytes - reserve - work
+    usable = room - reserve - work
     min_boxes = math.ceil((total + whole_cache) / usable) if usable > 0 else 0
     layout_count = None
     limit = max(4 * max(min_boxes, 1), 64)
@@ -133,11 +139,12 @@ def memory_fit(
         if not any(n % t == 0 for t in valid_tp_degrees(model)):
             continue
         candidate = default_plan(model, n)
-        if fits(model, candidate, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction):
+        if fits(model, candidate, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction, replicated_bytes):
             layout_count = n
             break
     return MemoryFit(
         box_bytes=box_bytes, weights_bytes=w, kv_bytes=kv, workspace_bytes=work, reserve_bytes=reserve,
-        total_weight_bytes=total, min_boxes_weights=min_weights, min_boxes=min_boxes,
-        min_boxes_layout=layout_count, fits=w + kv + work + reserve <= box_bytes,
+        replicated_bytes=replicated_bytes, total_weight_bytes=total, min_boxes_weights=min_weights,
+        min_boxes=min_boxes, min_boxes_layout=layout_count,
+        fits=w + kv + work + reserve + replicated_bytes <= box_bytes,
     )
