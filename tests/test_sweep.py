@@ -20,9 +20,9 @@ from shardwise.commands.sweep import build_request, parse_counts, to_csv
 from shardwise.errors import ShardwiseError
 from shardwise.perf import sweep as core
 from shardwise.perf.decode import layer_costs
-from shardwise.perf.estimate import Scenario, _prefill, decode_speed, formats_bits, hardware_of
+from shardwise.perf.estimate import Scenario, _prefill, decode_speed, estimate, formats_bits, hardware_of
 from shardwise.perf.memory import fits as scalar_fits
-from shardwise.perf.pareto import link_capacity, pareto_mask, quant_variants, run_sweep
+from shardwise.perf.pareto import SweepRequest, draft_terms, link_capacity, pareto_mask, quant_variants, run_sweep
 from shardwise.perf.profiles import get_profile
 from shardwise.plan import ParallelPlan, validate_plan
 from shardwise.spec.hardware import get_box, get_link
@@ -98,6 +98,38 @@ def test_core_equals_scalar_planner(model_name, box_name, link_name):
                 assert pre["tok_per_s"][i] == pytest.approx(ref["tok_per_s"], rel=1e-12)
     if box_name == "raspberry-pi-5-8gb":
         assert compute_bound, "the Pi case should exercise compute-bound steps"
+
+
+@pytest.mark.parametrize("box_name,link_name", [("dgx-spark", "100g-roce"), ("h100-sxm", "nvlink4")])
+def test_core_with_a_draft_model_equals_scalar_planner(box_name, link_name):
+    """With a draft model the core's tok/s, memory fit and bottleneck equal the scalar planner's."""
+    model, draft = load_model("llama-3.1-70b"), load_model("llama-3.1-8b")
+    box, link = get_box(box_name), get_link(link_name)
+    prof = get_profile("vllm")
+    formats = model.group_formats()
+    bits = formats_bits(formats)
+    plans = [p for n in (2, 4, 8) for p in _plans(model, n)]
+    table = core.build_layout_table(model, plans, bits)
+    hw = hardware_of(box, link, prof)
+    req = SweepRequest(models=("llama-3.1-70b",), boxes=(box,), counts=(2, 4, 8), links=(link,), runtime="vllm",
+                       spec_tokens=4, acceptance=0.8, draft=draft)
+    drafting, replicated = draft_terms(req, (box,))
+    assert drafting[0] > 0 and replicated > draft.total_params * 2  # bf16 weights plus its cache
+    out = core.evaluate(model, table, np.arange(len(plans)), hw.mem_bandwidth_bytes_per_s, hw.peak_flops,
+                        box.memory_gb * GB, hw.link_alpha_s, hw.link_beta_bytes_per_s, 4096, link_network=hw.network,
+                        allreduce=prof.allreduce, spec_tokens=4, acceptance=0.8, drafting_s=drafting[0],
+                        replicated_bytes=replicated, mem_efficiency=prof.mem_efficiency,
+                        compute_efficiency=prof.compute_efficiency, step_overhead_s=prof.step_overhead_s,
+                        collective_overhead_s=prof.collective_overhead_s)
+    for i, plan in enumerate(plans):
+        sc = Scenario(model=model, box=box, boxes=plan.world_size, link=link, plan=plan, formats=formats,
+                      profile=prof, spec_tokens=4, acceptance=0.8, draft=draft)
+        doc = estimate(sc)
+        assert out["tok_per_s"][i] == pytest.approx(doc["decode"]["tok_per_s"], rel=1e-12), plan
+        assert out["free_bytes"][i] == pytest.approx(doc["memory"]["free_bytes"], rel=1e-9)
+        assert bool(out["fits"][i]) == doc["memory"]["fits"]
+        assert core.BOTTLENECKS[int(out["bottleneck"][i])] == doc["decode"]["bottleneck"], plan
+    assert "drafting" in {core.BOTTLENECKS[int(b)] for b in out["bottleneck"]}, "a case where drafting dominates"
 
 
 def test_core_memory_bytes_equal_scalar_fullest_rank():
@@ -306,6 +338,9 @@ def test_constraint_nothing_meets_names_binding_constraint_and_nearest():
     (("--quant", "fp7"), "fp7"),
     (("--budget", "-5"), "--budget must be > 0"),
     (("--json", "--csv"), "pick one"),
+    (("--draft-model", "llama-3.1-8b"), "--draft-model needs --spec-tokens k"),
+    (("--model", "llama-3.1-8b,qwen3-30b-a3b", "--spec-tokens", "3", "--draft-model", "llama-3.1-8b"),
+     "but qwen3-30b-a3b has 151,936"),
 ])
 def test_bad_input_is_one_line(args, needle):
     res = _cli("sweep", "--model", "llama-3.1-8b", *args)

@@ -85,7 +85,7 @@ def build_scenario(
         get_format(dense)
         formats.update({g: dense for g in MATMUL_GROUPS if g != ROUTED_EXPERTS})
     kv_bytes, acc = decode_inputs(kv_dtype, spec_tokens, acceptance, workload)
-    draft = _draft_model(draft_model, spec, spec_tokens)
+    draft = resolve_draft(draft_model, [spec], spec_tokens)
     if context < 1:
         raise ShardwiseError(f"--context must be >= 1 token, got {context}")
     if price is not None:
@@ -103,8 +103,8 @@ def build_scenario(
     )
 
 
-def _draft_model(name: str | None, target, spec_tokens: int):
-    """The ``--draft-model`` spec, checked against the target (one-line errors)."""
+def resolve_draft(name: str | None, targets: list, spec_tokens: int):
+    """The ``--draft-model`` ModelSpec (or None), checked against every target (one-line errors)."""
     from shardwise.spec.model import load_model
 
     if name is None:
@@ -112,11 +112,12 @@ def _draft_model(name: str | None, target, spec_tokens: int):
     if not spec_tokens:
         raise ShardwiseError("--draft-model needs --spec-tokens k (tokens it drafts per verify step)")
     draft = load_model(name)
-    if draft.vocab_size != target.vocab_size:
-        raise ShardwiseError(
-            f"--draft-model {draft.name} has a {draft.vocab_size:,}-token vocabulary but {target.name} has "
-            f"{target.vocab_size:,}: a draft model must share the target's vocabulary"
-        )
+    for target in targets:
+        if draft.vocab_size != target.vocab_size:
+            raise ShardwiseError(
+                f"--draft-model {draft.name} has a {draft.vocab_size:,}-token vocabulary but {target.name} has "
+                f"{target.vocab_size:,}: a draft model must share the target's vocabulary"
+            )
     return draft
 
 

@@ -24,7 +24,7 @@ CSV_FIELDS = (
     "model", "box", "boxes", "link", "tp", "ep", "pp", "layout", "quant", "bits_per_weight", "tok_per_s",
     "prefill_tok_per_s", "prefill_bottleneck", "usd", "watts", "rated_watts", "switches", "price_per_box_usd", "price_basis",
     "joules_per_token", "usd_per_tok_per_s", "bottleneck", "step_s", "collective_s", "free_bytes",
-    "context_tokens", "runtime", "spec_tokens", "box_name", "link_name",
+    "context_tokens", "runtime", "spec_tokens", "draft_model", "box_name", "link_name",
 )
 
 
@@ -70,20 +70,19 @@ def build_request(
     max_watts: float | None = None, min_tok_per_s: float | None = None, context: int = 4096,
     max_boxes: int | None = None, runtime: str = "vllm", spec_tokens: int = 0, acceptance: float | None = None,
     workload: str | None = None, prefill: bool = False, prompt_tokens: int = 2048, list_prices: bool = False,
-    kv_dtype: str = "bf16",
+    kv_dtype: str = "bf16", draft_model: str | None = None,
 ):
     """Resolve CLI inputs into a SweepRequest (one-line errors on bad input)."""
     from shardwise.perf.pareto import SweepRequest
     from shardwise.perf.profiles import get_profile
-    from shardwise.commands.plan import decode_inputs
+    from shardwise.commands.plan import decode_inputs, resolve_draft
     from shardwise.quant.formats import get_format
     from shardwise.spec.hardware import get_box, get_link, load_catalog
     from shardwise.spec.model import catalog_models, load_model
 
     catalog = load_catalog()
     models = _names(model, "model") or tuple(catalog_models())
-    for m in models:
-        load_model(m)
+    specs = [load_model(m) for m in models]
     box_objs = tuple(get_box(b) for b in (_names(box, "box") or tuple(catalog.boxes)))
     link_objs = tuple(get_link(lk) for lk in (_names(link, "link") or tuple(catalog.links)))
     quants = _names(quant, "quant")
@@ -102,9 +101,11 @@ def build_request(
     if prompt_tokens < 1:
         raise ShardwiseError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     kv_bytes, acc = decode_inputs(kv_dtype, spec_tokens, acceptance, workload)
+    draft = resolve_draft(draft_model, specs, spec_tokens)
     return SweepRequest(
         models=models, boxes=box_objs, counts=parse_counts(boxes, max_boxes), links=link_objs, quants=quants,
         experts=expert_formats, context_tokens=context, runtime=runtime, spec_tokens=spec_tokens, acceptance=acc,
+        draft=draft,
         prefill=prefill, prompt_tokens=prompt_tokens, list_prices=list_prices, kv_bytes=kv_bytes,
         budget_usd=budget, max_watts=max_watts, min_tok_per_s=min_tok_per_s,
     )
@@ -237,6 +238,8 @@ def register(app: typer.Typer) -> None:
         spec_tokens: Annotated[int, typer.Option(help="speculative draft tokens per step (0 = off)")] = 0,
         acceptance: Annotated[Optional[float], typer.Option(help="per-token draft acceptance in (0, 1)")] = None,
         workload: Annotated[Optional[str], typer.Option(help="named acceptance: code-edit or chat")] = None,
+        draft_model: Annotated[Optional[str], typer.Option(
+            help="draft model (catalog key or config.json) run on every box; default: a free drafter (prompt lookup)")] = None,
         prefill: Annotated[bool, typer.Option("--prefill", help="add prefill tok/s as an objective and a column")] = False,
         prompt_tokens: Annotated[int, typer.Option(help="prompt tokens for --prefill")] = 2048,
         list_prices: Annotated[bool, typer.Option("--list-prices", help="list prices for every box")] = False,
@@ -251,7 +254,7 @@ def register(app: typer.Typer) -> None:
             raise ShardwiseError("--json and --csv both given: pick one")
         req = build_request(model, box, boxes, link, quant, experts, budget, max_watts, min_tok_per_s, context,
                             max_boxes, runtime, spec_tokens, acceptance, workload, prefill, prompt_tokens,
-                            list_prices, kv_dtype)
+                            list_prices, kv_dtype, draft_model)
         targets = seed_target(req)
         for value in explain or ():
             b, n, lk = parse_explain(value)

@@ -116,22 +116,31 @@ def profile_kwargs(profile: RuntimeProfile) -> dict:
 SINGLE_BOX = ParallelPlan(tp=1, ep=1, pp=1)
 
 
-def draft_bytes(sc: Scenario) -> float:
-    """Bytes the draft model holds on every box: its weights at its config's formats and its
-    cache at the scenario's context (0 without a draft model)."""
-    if sc.draft is None:
+def draft_bytes(draft: ModelSpec | None, context_tokens: int, kv_bytes: float) -> float:
+    """Bytes a draft model holds on every box: its weights at its config's formats and its
+    cache at ``context_tokens`` (0 without a draft model)."""
+    if draft is None:
         return 0.0
-    bits = formats_bits(sc.draft.group_formats())
-    return total_weight_bytes(sc.draft, bits) + sc.draft.cache_bytes(sc.context_tokens, sc.kv_bytes)
+    bits = formats_bits(draft.group_formats())
+    return total_weight_bytes(draft, bits) + draft.cache_bytes(context_tokens, kv_bytes)
+
+
+def draft_step_cost(draft: ModelSpec, mem_bandwidth_bytes_per_s: float, peak_flops: float, context_tokens: int,
+                    kv_bytes: float, **kwargs) -> StepCost:
+    """One decode step of ``draft`` whole on one box (tp = 1: no collectives); ``kwargs`` are
+    step_cost's profile factors."""
+    hw = Hardware(mem_bandwidth_bytes_per_s, peak_flops, link_alpha_s=0.0, link_beta_bytes_per_s=1.0, network=False)
+    bits = formats_bits(draft.group_formats())
+    layers = layer_costs(draft, SINGLE_BOX, bits, kv_bytes)
+    return step_cost(draft, SINGLE_BOX, layers, bits, hw, context_tokens, 1, **kwargs)
 
 
 def draft_step(sc: Scenario, hw: Hardware, **kwargs) -> StepCost | None:
-    """One decode step of the draft model, whole on one box (tp = 1: no collectives), or None."""
+    """The scenario's draft model's decode step on one of its boxes, or None without one."""
     if sc.draft is None:
         return None
-    bits = formats_bits(sc.draft.group_formats())
-    layers = layer_costs(sc.draft, SINGLE_BOX, bits, sc.kv_bytes)
-    return step_cost(sc.draft, SINGLE_BOX, layers, bits, hw, sc.context_tokens, 1, **kwargs)
+    return draft_step_cost(sc.draft, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, sc.context_tokens, sc.kv_bytes,
+                           **kwargs)
 
 
 def decode_speed(sc: Scenario, layers=None, hw: Hardware | None = None, **overrides) -> tuple[float, StepCost, StepCost, float]:
@@ -258,7 +267,8 @@ def estimate(sc: Scenario) -> dict:
             **{f"monte_carlo_{k}": v for k, v in load_percentiles(m.moe.num_experts, m.moe.top_k, plan.ep, samples=2000).items()},
         }
 
-    fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction, draft_bytes(sc))
+    fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction,
+                     draft_bytes(sc.draft, ctx, sc.kv_bytes))
     prefill = _prefill(sc, layers, bits, hw)
     power = _power(sc, tok_per_s)
     cost = _cost(sc, tok_per_s)

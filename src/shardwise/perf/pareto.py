@@ -38,7 +38,7 @@ import numpy as np
 
 from shardwise.errors import ShardwiseError
 from shardwise.perf import sweep as core
-from shardwise.perf.estimate import formats_bits
+from shardwise.perf.estimate import draft_bytes, draft_step_cost, formats_bits, profile_kwargs
 from shardwise.perf.profiles import get_profile, message_latency_s
 from shardwise.plan import ParallelPlan, validate_plan, valid_tp_degrees
 from shardwise.quant.formats import get_format
@@ -173,6 +173,7 @@ class SweepRequest:
     runtime: str = "vllm"
     spec_tokens: int = 0
     acceptance: float = 0.0
+    draft: ModelSpec | None = None  # speculative draft model run on every box (None: a free drafter)
     prefill: bool = False
     prompt_tokens: int = 2048
     list_prices: bool = False
@@ -232,6 +233,20 @@ class _Model:
         return {k: np.concatenate(v) for k, v in self.cols.items()} if self.cols else {}
 
 
+def draft_terms(req: SweepRequest, boxes: tuple[Box, ...]) -> tuple[np.ndarray, float]:
+    """Seconds of drafting per verify step on each box (``spec_tokens`` decode steps of the draft
+    model, whole on the box) and the bytes the draft holds on every box; zeros without a draft."""
+    if req.draft is None:
+        return np.zeros(len(boxes)), 0.0
+    kwargs = profile_kwargs(get_profile(req.runtime))
+    per_box = [
+        req.spec_tokens * draft_step_cost(req.draft, b.memory_bandwidth_gbps * GB, b.tflops_bf16 * 1e12,
+                                          req.context_tokens, req.kv_bytes, **kwargs).total_s
+        for b in boxes
+    ]
+    return np.array(per_box), draft_bytes(req.draft, req.context_tokens, req.kv_bytes)
+
+
 def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
     """Evaluate every configuration of ``req``; ``progress(advance, total)`` is called per step."""
     import time
@@ -249,6 +264,8 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
     bw = np.array([b.memory_bandwidth_gbps * GB for b in boxes])[None, :, None]
     peak = np.array([b.tflops_bf16 * 1e12 for b in boxes])[None, :, None]
     mem = np.array([b.memory_gb * GB for b in boxes])[None, :, None]
+    drafting, replicated = draft_terms(req, boxes)
+    drafting = drafting[None, :, None]
     alpha = np.array([0.0] + [message_latency_s(lk, prof) for lk in req.links])[None, None, :]
     beta = np.array([1.0] + [lk.bandwidth_gbps * GB for lk in req.links])[None, None, :]
     network = np.array([False] + [lk.kind in ("tcp", "rdma") for lk in req.links])[None, None, :]
@@ -292,7 +309,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
             out = core.evaluate(
                 spec, table, layout_idx, bw, peak, mem, alpha, beta, req.context_tokens, link_network=network,
                 allreduce=prof.allreduce, reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens,
-                acceptance=req.acceptance, **factors,
+                acceptance=req.acceptance, drafting_s=drafting, replicated_bytes=replicated, **factors,
             )
             shape = buildable.shape
             tok = np.broadcast_to(out["tok_per_s"], shape)
@@ -403,6 +420,8 @@ class _RowContext:
             "context_tokens": self.req.context_tokens, "runtime": self.req.runtime,
             "spec_tokens": self.req.spec_tokens, "formats": variant.format_map,
         })
+        if self.req.draft is not None:
+            row["draft_model"] = self.req.draft.name
         return row
 
 
@@ -563,6 +582,7 @@ def explain(result: SweepResult, req: SweepRequest, model: str, box: str, boxes:
     variant = quant_variants(spec, ("native",), None)[0]
     table = core.build_layout_table(spec, plans, formats_bits(variant.format_map), req.kv_bytes)
     prof = get_profile(req.runtime)
+    drafting, replicated = draft_terms(req, (box_obj,))
     out = core.evaluate(
         spec, table, np.arange(len(plans)), box_obj.memory_bandwidth_gbps * GB, box_obj.tflops_bf16 * 1e12,
         box_obj.memory_gb * GB, message_latency_s(link_obj, prof) if link_obj else 0.0,
@@ -571,6 +591,7 @@ def explain(result: SweepResult, req: SweepRequest, model: str, box: str, boxes:
         mem_efficiency=prof.mem_efficiency, compute_efficiency=prof.compute_efficiency,
         step_overhead_s=prof.step_overhead_s, collective_overhead_s=prof.collective_overhead_s,
         reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens, acceptance=req.acceptance,
+        drafting_s=drafting[0], replicated_bytes=replicated,
     )
     if link_obj is not None and boxes > link_capacity(box_obj, link_obj):
         return f"{label} cannot be cabled: {box} cannot use {link} for {boxes} boxes"

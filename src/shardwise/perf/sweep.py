@@ -31,7 +31,7 @@ from shardwise.perf.speculative import tokens_per_step
 from shardwise.plan import ParallelPlan, shard_shape
 from shardwise.spec.model import EMBEDDING, NORM, TENSOR_GROUPS, LayerSpec, ModelSpec, TensorSpec
 
-BOTTLENECKS = ("memory bandwidth", "compute", "network latency", "host overhead")
+BOTTLENECKS = ("memory bandwidth", "compute", "network latency", "host overhead", "drafting")
 PREFILL_BOTTLENECKS = ("compute", "network bandwidth")
 
 _GROUP = {g: i for i, g in enumerate(TENSOR_GROUPS)}
@@ -327,6 +327,8 @@ def evaluate(
     reserve_fraction: float = 0.10,
     spec_tokens: int = 0,
     acceptance: float = 0.0,
+    drafting_s: np.ndarray | float = 0.0,
+    replicated_bytes: float = 0.0,
 ) -> dict[str, np.ndarray]:
     """Decode tok/s, step-time terms and memory fit; arrays broadcast against each other.
 
@@ -334,9 +336,11 @@ def evaluate(
     (seconds, bytes/s; ``link_network`` True for tcp/rdma links, whose collectives pay the
     profile's per-call ``collective_overhead_s``) broadcast against it. With ``spec_tokens``
     k > 0 the step is a verify pass over k+1 positions yielding ``tokens_per_step(k, acceptance)``
-    tokens. Returns arrays:
-    tok_per_s, step_s, memory_s, compute_s, layers_s, collective_s, used_bytes, free_bytes, fits,
-    bottleneck (index into ``BOTTLENECKS``).
+    tokens; ``drafting_s`` (seconds per verify step a draft model takes, broadcast against the
+    box figures) adds to it and ``replicated_bytes`` (the draft's weights and cache) to every
+    box's memory. Returns arrays:
+    tok_per_s, step_s (the verify or decode step, drafting not included), memory_s, compute_s,
+    layers_s, collective_s, used_bytes, free_bytes, fits, bottleneck (index into ``BOTTLENECKS``).
     """
     positions = spec_tokens + 1 if spec_tokens else 1
     layout = np.asarray(layout)
@@ -356,13 +360,16 @@ def evaluate(
     tokens = tokens_per_step(spec_tokens, acceptance) if spec_tokens else 1.0
     box_bytes = np.asarray(box_bytes, dtype=float)
     used = (fullest_rank_bytes(table, context_tokens) + table.counts.workspace_bytes)[layout] + reserve_fraction * box_bytes
-    # The largest of (memory or compute, collectives, host overhead), first on ties, as estimate() names it.
+    used = used + replicated_bytes
+    # The largest of (memory or compute, collectives, host overhead, drafting), first on ties, as estimate() names it.
     mem_first = memory_s >= compute_s
     layer_term = np.where(mem_first, memory_s, compute_s)
     bottleneck = np.where((layer_term >= collective_s) & (layer_term >= step_overhead_s), np.where(mem_first, 0, 1),
                           np.where(collective_s >= step_overhead_s, 2, 3))
+    drafting_s = np.asarray(drafting_s, dtype=float)
+    bottleneck = np.where(drafting_s > np.maximum(np.maximum(layer_term, collective_s), step_overhead_s), 4, bottleneck)
     return {
-        "tok_per_s": tokens / step_s,
+        "tok_per_s": tokens / (step_s + drafting_s),
         "step_s": step_s,
         "memory_s": memory_s,
         "compute_s": compute_s,
