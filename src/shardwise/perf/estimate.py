@@ -143,12 +143,14 @@ def draft_step(sc: Scenario, hw: Hardware, **kwargs) -> StepCost | None:
                            **kwargs)
 
 
-def decode_speed(sc: Scenario, layers=None, hw: Hardware | None = None, **overrides) -> tuple[float, StepCost, StepCost, float]:
+def decode_speed(sc: Scenario, layers=None, hw: Hardware | None = None, draft: StepCost | None = None,
+                 **overrides) -> tuple[float, StepCost, StepCost, float]:
     """(tok/s, plain step, final step, tokens per final step) under the scenario's profile.
 
     With speculation the final step is the verify pass; a draft model adds ``spec_tokens``
     of its own decode steps to every verify step.
-    ``overrides`` replace profile factors (used by calibration); ``layers`` and ``hw`` can be precomputed.
+    ``overrides`` replace profile factors (used by calibration); ``layers``, ``hw`` and the
+    draft model's step (``draft_step``) can be precomputed.
     """
     bits = formats_bits(sc.formats)
     hw = hw or _hardware(sc, ring_orders(sc))
@@ -160,7 +162,7 @@ def decode_speed(sc: Scenario, layers=None, hw: Hardware | None = None, **overri
         return _tok(plain), plain, plain, 1.0
     tokens = tokens_per_step(sc.spec_tokens, sc.acceptance)
     verify = step_cost(sc.model, sc.plan, layers, bits, hw, sc.context_tokens, sc.spec_tokens + 1, **kwargs)
-    draft = draft_step(sc, hw, **kwargs)
+    draft = draft or draft_step(sc, hw, **kwargs)
     drafting_s = sc.spec_tokens * draft.total_s if draft is not None else 0.0
     return tokens / (verify.total_s + drafting_s), plain, verify, tokens
 
@@ -195,7 +197,8 @@ def estimate(sc: Scenario) -> dict:
         m, plan, layers, bits, hw, ctx, 1, mem_efficiency=prof.mem_efficiency,
         compute_efficiency=prof.compute_efficiency, collective_overhead_s=prof.collective_overhead_s, **common,
     )
-    tok_per_s, plain, final, tokens = decode_speed(sc, layers, hw)
+    draft = draft_step(sc, hw, **profile_kwargs(prof)) if sc.spec_tokens else None
+    tok_per_s, plain, final, tokens = decode_speed(sc, layers, hw, draft)
 
     steps = [
         {"step": "seed arithmetic", "tok_per_s": naive_tok,
@@ -234,7 +237,6 @@ def estimate(sc: Scenario) -> dict:
     spec = None
     drafting_s = 0.0
     if sc.spec_tokens:
-        draft = draft_step(sc, hw, **profile_kwargs(prof))
         drafting_s = sc.spec_tokens * draft.total_s if draft is not None else 0.0
         spec = {
             "spec_tokens": sc.spec_tokens, "acceptance": sc.acceptance, "tokens_per_step": tokens,
