@@ -30,13 +30,13 @@ import torch.nn.functional as F
 
 from shardwise.plan import ParallelPlan, rank_param_counts
 from shardwise.quant.formats import get_format
-from shardwise.quant.mxfp4 import E2M1_VALUES
+from shardwise.quant.mxfp4_codec import E2M1_VALUES
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.generate import SamplingParams, generate
 from shardwise.runtime.loader import load_shard, load_spec
 from shardwise.runtime.model import ShardedCausalLM
-from shardwise.runtime.mxfp4 import decode
-from shardwise.runtime.quantize import dequantize_checkpoint
+from shardwise.runtime.mxfp4_matmul import decode
+from shardwise.runtime.quantize_checkpoint import dequantize_checkpoint
 from shardwise.spec.model import ROUTED_EXPERTS
 
 

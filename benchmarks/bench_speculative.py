@@ -3,7 +3,7 @@
 Run: PYTHONPATH=src python benchmarks/bench_speculative.py [--tokens N] [--k K] [--layers L]
 
 Controlled acceptance. Random weights do not make drafts that a target accepts for a
-reason, so the behaviour is built (``shardwise.runtime.controlled``):
+reason, so the behaviour is built (``shardwise.testing.controlled``):
 
 - target: a tiny llama checkpoint deepened to ``--layers`` layers whose LM head makes it
   *count* (greedy next token = t+1; the random layers still run and cost what they cost);
@@ -40,7 +40,7 @@ import torch
 
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.runtime.checkpoint import make_checkpoint
-from shardwise.runtime.controlled import counting, derive_checkpoint, perturb_lm_head
+from shardwise.testing.controlled import counting, derive_checkpoint, perturb_lm_head
 from shardwise.runtime.launch import launch_local
 
 NOISE = (0.0, 1.6, 2.0, 2.4, 2.9, 3.5, 4.5)
@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, target: str, drafts: list[str], k: int, tokens:
 
     torch.set_num_threads(1)
     model = ShardedCausalLM(load_spec(target), ParallelPlan(tp=world), rank, torch.float32,
-                            max_seq_len=len(COPY) + tokens + k + 1)
+                            max_seq_len=len(COPY) + tokens + k + 1, max_step_tokens=max(k, 8) + 1)
     load_shard(model, target)
     generate(model, OPEN, 8, eos=set())  # warm-up
     rows = []

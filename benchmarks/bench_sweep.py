@@ -13,13 +13,14 @@ import time
 
 import numpy as np
 
-from shardwise.commands.sweep import build_request
-from shardwise.perf import sweep as core
+from shardwise.perf import core
 from shardwise.perf.estimate import formats_bits
-from shardwise.perf.pareto import enumerate_layouts, run_sweep
+from shardwise.perf.configurations import enumerate_layouts
+from shardwise.perf.sweep import run_sweep
 from shardwise.perf.profiles import get_profile
+from shardwise.perf.scenario import build_request
 from shardwise.spec.hardware import load_catalog
-from shardwise.spec.model import load_model
+from shardwise.spec.parse import load_model
 
 GB = 1e9
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from shardwise.bench import OpCounts, bench_document, calibrated_profile, layer_host_seconds, predict, with_host_probe
+from conftest import run_cli
+from shardwise.measure.bench import OpCounts, bench_document, calibrated_profile, layer_host_seconds, predict, with_host_probe
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.loader import load_spec
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 TRACE_LAYER_KEYS = {"layer", "kind", "rank", "compute_s", "comm_s", "wait_s"}
 
 
@@ -56,7 +53,7 @@ def test_host_probe_figures_replace_the_probes_and_price_moe_layers_apart():
     """The run's own before/after timings of the reference blocks replace the probe's host
     figures (slowest rank), the in-decode all-reduce becomes the per-call overhead over the ring
     fit's α-β time, and MoE layers are priced at the MoE per-op cost."""
-    from shardwise.probe import REFERENCE_MESSAGE_BYTES
+    from shardwise.runtime.host_costs import REFERENCE_MESSAGE_BYTES
 
     probe = _probe_doc()
     reports = [{"host_probe": {"op_overhead_s": 5e-6, "op_overhead_moe_s": 8e-6, "collective_in_decode_s": 9e-4}},
@@ -92,23 +89,24 @@ def test_bench_document_schema():
 
 
 def test_bench_cli_tp2_writes_json_and_chrome_trace(tiny_llama, tmp_path):
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1"}
     probe = tmp_path / "probe.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "shardwise", "probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3",
-         "--algorithms", "ring,rd,oneshot", "--triad-mb", "8", "--matmul-size", "64", "--json-out", str(probe), "--json"],
-        capture_output=True, text=True, timeout=200, env=env)
+    done = run_cli("probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3", "--algorithms", "ring,rd,oneshot",
+                   "--triad-mb", "8", "--matmul-size", "64", "--json-out", str(probe), "--json", env=env)
     assert done.returncode == 0, done.stderr
     out, trace = tmp_path / "bench.json", tmp_path / "bench.trace.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "shardwise", "bench", str(tiny_llama), "--tp", "2", "--probe", str(probe),
-         "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--out", str(out), "--trace", str(trace), "--json"],
-        capture_output=True, text=True, timeout=240, env=env)
+    done = run_cli("bench", str(tiny_llama), "--tp", "2", "--probe", str(probe), "--prompt-ids", "1,2,3",
+                   "--max-new-tokens", "8", "--out", str(out), "--trace", str(trace), "--json", env=env)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["kind"] == "bench" and doc["model"] and doc["tp"] == 2
     assert doc["predicted_tok_per_s"] > 0 and doc["measured_tok_per_s"] > 0
-    assert doc["allreduce"] in ("ring", "rd", "oneshot")
+    # --allreduce auto: the algorithm the probe's ring fit makes cheapest for one float32 hidden vector
+    from shardwise.perf.allreduce_choice import choose_allreduce
+
+    fit = json.loads(probe.read_text())["ring_fit"]
+    want = choose_allreduce(load_spec(tiny_llama).hidden_size * 4, 2, fit["alpha_s"], fit["beta_gbps"] * 1e9).name
+    assert doc["allreduce"] == want and want in ("ring", "rd", "oneshot")
     assert {(r["layer"], r["rank"]) for r in doc["layers"]} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     for row in doc["layers"]:
         assert TRACE_LAYER_KEYS | {"predicted_compute_s", "predicted_comm_s"} <= set(row)

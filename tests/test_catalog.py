@@ -5,7 +5,6 @@ import pytest
 
 from shardwise.errors import ShardwiseError
 from shardwise.spec.hardware import (
-    Box,
     ClusterSpec,
     Link,
     Measured,
@@ -16,7 +15,7 @@ from shardwise.spec.hardware import (
     load_cluster_file,
     write_cluster_file,
 )
-from shardwise.topology import Edge, Topology
+from shardwise.spec.topology import Edge, Topology
 
 REQUIRED_BOXES = [
     "dgx-spark", "mac-studio-m3-ultra-512", "mac-studio-m3-ultra-256", "mac-mini-m4-pro-64",

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import comm
-from shardwise.runtime.launch import RankContext, RankFailure, init_from_env, launch_local
+from shardwise.runtime.launch import RankFailure, launch_local
+from shardwise.runtime.rendezvous import RankContext, init_from_env
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)
@@ -259,7 +260,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
-        "from shardwise.runtime.launch import RankContext, init_from_env\n"
+        "from shardwise.runtime.rendezvous import RankContext, init_from_env\n"
         "rank, world_size = init_from_env('gloo', timeout_s=60)\n"
         "t = torch.tensor([float(rank + 1)])\n"
         "dist.all_reduce(t)\n"

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from shardwise.errors import ShardwiseError
-from shardwise.spec.model import ROUTED_EXPERTS, catalog_models, load_model, parse_config
+from shardwise.spec.model import ROUTED_EXPERTS
+from shardwise.spec.parse import catalog_models, load_model, parse_config
 
 # Published totals (shared/data/models/SOURCES.md), in parameters.
 PUBLISHED_TOTALS = {

@@ -9,8 +9,8 @@ from hypothesis.extra.numpy import arrays
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant import mxfp4
-from shardwise.runtime import mxfp4 as rt
+from shardwise.quant import mxfp4_codec as mxfp4
+from shardwise.runtime import mxfp4_matmul as rt
 
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

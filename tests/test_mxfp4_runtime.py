@@ -12,9 +12,6 @@ transformers' ``GptOssForCausalLM`` loading the MXFP4 checkpoint with
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import run_cli
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, rank_param_counts, shard_shape
 from shardwise.quant.formats import get_format
@@ -30,20 +28,12 @@ from shardwise.runtime.generate import SamplingParams, generate
 from shardwise.runtime.launch import launch_local
 from shardwise.runtime.loader import load_shard, load_spec
 from shardwise.runtime.model import ShardedCausalLM
-from shardwise.runtime.mxfp4 import decode
-from shardwise.runtime.quantize import dequantize_checkpoint, quantize_checkpoint
+from shardwise.runtime.mxfp4_matmul import decode
+from shardwise.runtime.quantize_checkpoint import dequantize_checkpoint, quantize_checkpoint
 from shardwise.spec.model import ROUTED_EXPERTS
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 PROMPT = [3, 17, 101, 42, 7, 250, 11, 64]
 MXFP4_BYTES_PER_WEIGHT = get_format("mxfp4").bits_per_weight / 8
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from shardwise.cli import main; main()", *args],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": SRC},
-    )
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -237,17 +227,17 @@ def test_resident_expert_bytes_equal_the_plan(ckpts):
 
 def test_quantize_and_run_cli(ckpts, tmp_path):
     out = tmp_path / "q"
-    proc = _cli("quantize", str(ckpts["hf_float"]), "--format", "mxfp4", "--out", str(out), "--json")
+    proc = run_cli("quantize", str(ckpts["hf_float"]), "--format", "mxfp4", "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["layout"] == "gpt-oss-mxfp4" and doc["bytes_after"] < doc["bytes_before"] / 2
     assert doc["groups"]["routed_experts"]["rel_rms"] < 0.2 and doc["logits_max_abs"] > 0
     assert abs(doc["groups"]["routed_experts"]["bits_after"] - 4.25) < 1.0  # biases stay float32
-    proc = _cli("run", str(out), "--tp", "2", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--json")
+    proc = run_cli("run", str(out), "--tp", "2", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--json")
     assert proc.returncode == 0, proc.stderr
     ref = dequantize_checkpoint(out, tmp_path / "ref")
     assert json.loads(proc.stdout)["tokens"] == generate(_model(ref), PROMPT, 8, SamplingParams()).tokens
-    proc = _cli("quantize", str(ckpts["hf_float"]), "--format", "nvfp4", "--out", str(tmp_path / "n"))
+    proc = run_cli("quantize", str(ckpts["hf_float"]), "--format", "nvfp4", "--out", str(tmp_path / "n"))
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --format nvfp4 cannot be written yet: quantize writes mxfp4"
 
 
@@ -285,7 +275,7 @@ def test_bad_input_fails_before_generation(ckpts, tmp_path, case):
     with pytest.raises(ShardwiseError) as err:
         _model(folder)
     assert str(err.value) == expected
-    proc = _cli("run", str(folder), "--tp", "2", "--prompt-ids", "1,2,3")
+    proc = run_cli("run", str(folder), "--tp", "2", "--prompt-ids", "1,2,3")
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: {expected}"
 
 

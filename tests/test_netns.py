@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from shardwise.errors import ShardwiseError
-from shardwise.netns import shaped_network, unavailable_reason
-from shardwise.topology import Edge, Topology, best_ring_order, worst_ring_order
+from shardwise.testing.netns import shaped_network, unavailable_reason
+from shardwise.perf.ring_order import best_ring_order, worst_ring_order
+from shardwise.spec.topology import Edge, Topology
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 REASON = unavailable_reason()
@@ -33,7 +34,7 @@ import json, sys, time
 import torch
 import torch.distributed as dist
 from shardwise.runtime.comm import ring_allreduce
-from shardwise.runtime.launch import init_from_env
+from shardwise.runtime.rendezvous import init_from_env
 torch.set_num_threads(1)
 init_from_env("gloo", timeout_s=30)
 orders, n = json.loads(sys.argv[1]), int(sys.argv[2])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant import mxfp4, nvfp4
+from shardwise.quant import mxfp4_codec as mxfp4, nvfp4_codec as nvfp4
 
 
 def test_constants_give_4_5_bits():

@@ -2,22 +2,19 @@
 
 import json
 from pathlib import Path
+import re
 import subprocess
 import sys
 
 import pytest
 
+from conftest import plan_json, run_cli
+
 SEED_MEASURED_TOK_PER_S = 21.71  # data/measurements.csv row S1 (16 x DGX Spark, RoCE, TP16+EP16, 7 drafts, 4k ctx)
-
-
-def shardwise(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True, timeout=120)
-
-
-def plan_json(*args: str) -> dict:
-    proc = shardwise("plan", *args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+# The vllm profile (profiles.toml) is fitted on every row of data/measurements.csv that resolves to
+# it, the seed's rows S1-S7 among them, so a plan compared with one of those rows is an in-sample
+# check: it shows the planner reproduces what calibration fitted, not that it predicts an unseen
+# cluster. The tests below say which they are; the out-of-sample one refits without the row.
 
 
 @pytest.fixture(scope="module")
@@ -62,25 +59,69 @@ def test_waterfall_explains_the_gap_step_by_step(seed):
     assert all(s["cause"] for s in steps)
 
 
-def test_seed_settings_land_within_30_percent_of_the_measurement():
+def test_seed_case_in_sample_lands_within_30_percent_of_row_s1():
+    """In-sample: row S1 is one of the rows the vllm profile was fitted on
+    (test_seed_rows_are_in_the_vllm_fit), so this checks the fit carries through the CLI; the
+    out-of-sample check is test_seed_case_out_of_sample_refit_without_s1."""
     doc = plan_json("--spec-tokens", "7", "--workload", "code-edit", "--context", "4096", "--runtime", "vllm")
     assert abs(doc["decode"]["tok_per_s"] - SEED_MEASURED_TOK_PER_S) / SEED_MEASURED_TOK_PER_S < 0.30
     assert doc["decode"]["waterfall"][-1]["step"] == "speculative decoding"
     assert doc["decode"]["speculative"]["tokens_per_step"] > 1
 
 
+MEASUREMENTS_CSV = Path(__file__).resolve().parents[1] / "data" / "measurements.csv"
+
+
 def _seed_row(row_id: str) -> float:
     """Measured decode tok/s of one of the seed's rows in data/measurements.csv."""
     from shardwise.perf.measurements import read_measurements
 
-    csv_path = Path(__file__).resolve().parents[1] / "data" / "measurements.csv"
-    return next(m.decode_tok_s for m in read_measurements(csv_path) if m.id == row_id)
+    return next(m.decode_tok_s for m in read_measurements(MEASUREMENTS_CSV) if m.id == row_id)
 
 
-def test_tcp_drops_by_the_seeds_order_of_magnitude():
-    """The seed measured 8.9 tok/s over RDMA and 1.3 over TCP (rows S4, S5: a 6.8x drop); with the
-    seed's settings the plan over 10 GbE TCP drops as far, and the plain TCP estimate sits within
-    a factor of two of the 1.3 it was not fitted to."""
+def _resolved_rows(profile: str) -> list:
+    """The rows of data/measurements.csv that shardwise.perf.calibrate fits ``profile`` on: every
+    row that resolves to that profile (profiles.toml stores their number as ``fitted_rows``)."""
+    from shardwise.perf.measurements import read_measurements, resolve
+
+    rows = [resolve(m) for m in read_measurements(MEASUREMENTS_CSV)]
+    return [r for r in rows if not isinstance(r, str) and r.profile == profile]
+
+
+def test_seed_rows_are_in_the_vllm_fit():
+    """The seed-case tests that compare with rows S1, S4 and S5 are in-sample: the vllm profile's
+    stored fit covers exactly the rows that resolve to it, and those include every seed row."""
+    import tomllib
+    from importlib import resources
+
+    stored = tomllib.loads(resources.files("shardwise.spec.catalog").joinpath("profiles.toml").read_text())
+    fitted = {r.measurement.id for r in _resolved_rows("vllm")}
+    assert stored["vllm"]["fitted_rows"] == len(fitted), fitted
+    assert {f"S{i}" for i in range(1, 8)} <= fitted
+    assert _seed_row("S1") == SEED_MEASURED_TOK_PER_S
+
+
+def test_seed_case_out_of_sample_refit_without_s1():
+    """Out-of-sample: the vllm profile refitted (shardwise.perf.calibrate.fit_profile) on its rows
+    less S1 still predicts S1's decode speed within 30%."""
+    from shardwise.perf.calibrate import fit_profile
+    from shardwise.perf.estimate import decode_speed
+    from shardwise.perf.profiles import get_profile
+    from shardwise.perf.validate import scenario_of
+
+    rows = _resolved_rows("vllm")
+    s1 = next(r for r in rows if r.measurement.id == "S1")
+    held_out = fit_profile(get_profile("vllm"), [r for r in rows if r is not s1])
+    predicted = decode_speed(scenario_of(s1, held_out))[0]
+    assert abs(predicted - SEED_MEASURED_TOK_PER_S) / SEED_MEASURED_TOK_PER_S < 0.30, predicted
+
+
+def test_tcp_drop_in_sample_rows_s4_s5():
+    """In-sample: the seed measured 8.9 tok/s over RDMA and 1.3 over TCP (rows S4, S5: a 6.8x
+    drop), and both rows are among those the vllm profile was fitted on
+    (test_seed_rows_are_in_the_vllm_fit); only the profile's TCP per-message overhead is not fitted
+    (an estimate from data/links.csv). With the seed's settings the plan over 10 GbE TCP drops as
+    far, and the plain TCP estimate sits within a factor of two of S5's 1.3."""
     seed_drop = _seed_row("S4") / _seed_row("S5")
     roce = plan_json("--spec-tokens", "7", "--workload", "code-edit")["decode"]
     tcp = plan_json("--spec-tokens", "7", "--workload", "code-edit", "--link", "10gbe-tcp")["decode"]
@@ -118,7 +159,7 @@ def test_quant_override_changes_bytes():
 
 
 def test_human_output_renders_tables():
-    proc = shardwise("plan", "--model", "gpt-oss-120b", "--box", "dgx-spark", "--boxes", "1")
+    proc = run_cli("plan", "--model", "gpt-oss-120b", "--box", "dgx-spark", "--boxes", "1")
     assert proc.returncode == 0, proc.stderr
     assert "Decode waterfall" in proc.stdout and "bottleneck" in proc.stdout
 
@@ -145,15 +186,26 @@ def test_human_output_renders_tables():
     ],
 )
 def test_errors_are_one_line_without_traceback(args, message):
-    proc = shardwise("plan", *args)
+    proc = run_cli("plan", *args)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_not_fitting_says_how_many_boxes_would():
-    proc = shardwise("plan", "--boxes", "4")
-    assert "it needs 15 boxes" in proc.stderr or "it needs 16 boxes" in proc.stderr
+    proc = run_cli("plan", "--boxes", "4")
+    assert proc.returncode == 2 and "it needs 15 boxes" in proc.stderr, proc.stderr
+    # the shortfall is a positive amount: weights + cache + workspace + reserve less 128 GB
+    from shardwise.perf.estimate import estimate
+    from shardwise.perf.scenario import build_scenario
+
+    short = float(re.search(r"\(([-\d.,]+) GB short", proc.stderr).group(1).replace(",", ""))
+    sc = build_scenario("kimi-k3", "dgx-spark", 4, "100g-roce", None, None, None, 4096, 2048, 0, None, None, "vllm",
+                        None, None, None, None, "bf16")
+    assert short > 0 and short == pytest.approx(-estimate(sc)["memory"]["free_bytes"] / 1e9, abs=0.05)
+    # and 15 is the fewest that hold it (TP3 x PP5): 14 hold its bytes, but no layout of 14 does
+    assert plan_json("--boxes", "15")["memory"]["fits"]
+    assert run_cli("plan", "--boxes", "14").returncode == 2
 
 
 DRAFTED = ["--model", "llama-3.1-405b", "--boxes", "16", "--spec-tokens", "4", "--workload", "code-edit"]
@@ -182,17 +234,17 @@ def test_draft_model_costs_its_own_decode_steps_and_memory_on_every_box():
 def test_draft_model_memory_can_need_another_box():
     base = ["--model", "llama-3.1-405b", "--boxes", "8", "--spec-tokens", "4"]
     assert plan_json(*base)["memory"]["fits"]
-    proc = shardwise("plan", *base, "--draft-model", "llama-3.1-8b")
+    proc = run_cli("plan", *base, "--draft-model", "llama-3.1-8b")
     assert proc.returncode == 2 and "does not fit on 8 x" in proc.stderr and "it needs 9 boxes" in proc.stderr
 
 
 def test_malformed_and_unsupported_configs(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text('{"model_type": "llama", "hidden_size": 64}')
-    proc = shardwise("plan", "--model", str(bad))
+    proc = run_cli("plan", "--model", str(bad))
     assert proc.returncode == 2 and "missing required field" in proc.stderr
     bad.write_text('{"model_type": "rwkv", "hidden_size": 64}')
-    proc = shardwise("plan", "--model", str(bad))
+    proc = run_cli("plan", "--model", str(bad))
     assert proc.returncode == 2 and "unsupported model_type 'rwkv'" in proc.stderr
 
 
@@ -210,7 +262,7 @@ def test_planning_path_does_not_import_torch():
 
 
 def test_catalog_lists_everything():
-    proc = shardwise("catalog", "--json")
+    proc = run_cli("catalog", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert {"kimi-k3", "deepseek-v3", "gpt-oss-120b"} <= {m["key"] for m in doc["models"]}

@@ -12,7 +12,7 @@ from shardwise.plan import (
     validate_plan,
     valid_tp_degrees,
 )
-from shardwise.spec.model import load_model
+from shardwise.spec.parse import load_model
 
 
 def test_tp_not_dividing_heads_names_nearest_valid():

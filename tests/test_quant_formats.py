@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant import mxfp4, nvfp4
+from shardwise.quant import mxfp4_codec as mxfp4, nvfp4_codec as nvfp4
 from shardwise.quant.formats import FORMATS, QuantFormat, get_format
 
 EXPECTED_BITS = {

@@ -9,7 +9,8 @@ import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant import layouts, mxfp4
+from shardwise.quant import layouts
+from shardwise.quant import mxfp4_codec as mxfp4
 
 CATALOG = Path(__file__).resolve().parents[1] / "src" / "shardwise" / "spec" / "catalog" / "models"
 

@@ -4,32 +4,24 @@ Chromium without console errors; input detection; a trace of another model is re
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from shardwise.commands.plan import build_scenario
-from shardwise.commands.sweep import build_request
+from conftest import run_cli
 from shardwise.errors import ShardwiseError
 from shardwise.perf.estimate import estimate
-from shardwise.perf.pareto import run_sweep
+from shardwise.perf.sweep import run_sweep
+from shardwise.perf.scenario import build_request, build_scenario
 from shardwise.report.inputs import classify
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 CHART_IDS = ("waterfall", "memory", "roofline", "pareto", "timeline")
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run([sys.executable, "-c", "from shardwise.cli import main; main()", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
 
 
 def _chromium() -> str:
@@ -87,7 +79,7 @@ def _plan(model="llama-3.1-8b", box="dgx-spark", boxes=2, link="100g-roce") -> d
 
 def test_default_report_renders_every_chart_in_chromium(tmp_path):
     out = tmp_path / "report.html"
-    res = _cli("report", "-o", str(out))
+    res = run_cli("report", "-o", str(out))
     assert res.returncode == 0, res.stderr
     text = out.read_text()
     assert "<script src" not in text and "<link " not in text, "the report must not load anything"
@@ -113,14 +105,14 @@ def test_report_from_plan_sweep_bench_and_trace(tmp_path):
         files[name] = tmp_path / f"{name}.json"
         files[name].write_text(json.dumps(doc))
     out = tmp_path / "r.html"
-    res = _cli("report", *map(str, files.values()), "-o", str(out))
+    res = run_cli("report", *map(str, files.values()), "-o", str(out))
     assert res.returncode == 0, res.stderr
     text = out.read_text()
     assert "measured (bench)" in text and "rank 1 measured" in text and "rank 1 predicted" in text
     _check_rendered(out, CHART_IDS)
     # a sweep alone draws the Pareto chart and says what is missing
     only = tmp_path / "only.html"
-    res = _cli("report", str(files["sweep"]), "-o", str(only))
+    res = run_cli("report", str(files["sweep"]), "-o", str(only))
     assert res.returncode == 0 and "note: no waterfall" in res.stdout
     _check_rendered(only, ("pareto",))
 
@@ -129,7 +121,7 @@ def test_trace_of_another_model_is_refused(tmp_path):
     plan, trace = tmp_path / "plan.json", tmp_path / "trace.json"
     plan.write_text(json.dumps(_plan("llama-3.1-8b")))
     trace.write_text(json.dumps(_trace_for(_plan("llama-3.1-8b"), model="qwen3-30b-a3b")))
-    res = _cli("report", str(plan), str(trace), "-o", str(tmp_path / "x.html"))
+    res = run_cli("report", str(plan), str(trace), "-o", str(tmp_path / "x.html"))
     assert res.returncode == 2
     line = res.stderr.strip()
     assert len(line.splitlines()) == 1 and "'qwen3-30b-a3b'" in line and "'llama-3.1-8b'" in line
@@ -165,7 +157,7 @@ def test_two_documents_of_one_kind_are_refused(tmp_path):
     doc = json.dumps(_plan())
     a.write_text(doc)
     b.write_text(doc)
-    res = _cli("report", str(a), str(b), "-o", str(tmp_path / "x.html"))
+    res = run_cli("report", str(a), str(b), "-o", str(tmp_path / "x.html"))
     assert res.returncode == 2 and "two plan documents" in res.stderr
 
 
@@ -173,14 +165,14 @@ def test_report_from_a_real_runtime_trace(tmp_path):
     """`shardwise run --trace` on a tiny checkpoint, then `shardwise report` on its summary:
     the runtime's own document draws the measured timeline in Chromium."""
     ckpt = tmp_path / "ckpt"
-    made = _cli("make-checkpoint", "--model", "llama-3.1-8b", "--scale", "tiny", "--out", str(ckpt))
+    made = run_cli("make-checkpoint", "--model", "llama-3.1-8b", "--scale", "tiny", "--out", str(ckpt))
     assert made.returncode == 0, made.stderr
     trace = tmp_path / "t.json"
-    ran = _cli("run", str(ckpt), "--tp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--trace", str(trace))
+    ran = run_cli("run", str(ckpt), "--tp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--trace", str(trace))
     assert ran.returncode == 0, ran.stderr
     summary = tmp_path / "t.summary.json"
     html = tmp_path / "trace.html"
-    made = _cli("report", str(summary), "-o", str(html))
+    made = run_cli("report", str(summary), "-o", str(html))
     assert made.returncode == 0, made.stderr
     _check_rendered(html, ("timeline",))
     assert "rank 1 measured" in html.read_text()

@@ -1,20 +1,10 @@
 """``shardwise ring`` through the real entry point in a subprocess."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def shardwise(*args):
-    env = {**os.environ, "PYTHONPATH": SRC}
-    code = "from shardwise.cli import main; main()"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
+from conftest import run_cli
 
 
 def two_switch_file(tmp_path):
@@ -30,7 +20,7 @@ def two_switch_file(tmp_path):
 
 
 def test_ring_json(tmp_path):
-    result = shardwise("ring", "--topology", str(two_switch_file(tmp_path)), "--message-bytes", "8000000", "--json")
+    result = run_cli("ring", "--topology", str(two_switch_file(tmp_path)), "--message-bytes", "8000000", "--json")
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["listed_order"] == ["a1", "b1", "a2", "b2", "a3", "b3", "a4", "b4"]
@@ -46,7 +36,7 @@ def test_ring_json(tmp_path):
 
 
 def test_ring_table(tmp_path):
-    result = shardwise("ring", "--topology", str(two_switch_file(tmp_path)))
+    result = run_cli("ring", "--topology", str(two_switch_file(tmp_path)))
     assert result.returncode == 0, result.stderr
     assert "best" in result.stdout and "listed" in result.stdout and "worst" in result.stdout
 
@@ -54,7 +44,7 @@ def test_ring_table(tmp_path):
 def test_ring_bad_file_is_one_line_exit_2(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[[hosts]]\nname = "h1"\n[[hosts]]\nname = "h2"\n[[links]]\na = "h1"\nb = "h9"\nbandwidth_gbps = 1\nlatency_s = 1e-6\n')
-    result = shardwise("ring", "--topology", str(path))
+    result = run_cli("ring", "--topology", str(path))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,23 +10,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import run_cli
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, rank_param_counts
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.generate import SamplingParams, encode_prompt, generate
 from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_shard, load_spec
 from shardwise.runtime.model import ShardedCausalLM
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from shardwise.cli import main; main()", *args],
-        capture_output=True, text=True, timeout=240,
-        env={**os.environ, "PYTHONPATH": SRC, **(env or {})},
-    )
-
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     with safe_open(folder / "model.safetensors", framework="pt") as f:
@@ -121,20 +108,20 @@ def test_missing_and_misshaped_tensors(tiny, tmp_path):
         )
         assert str(err.value) == expected
         # The CLI stops before starting any rank, with the same one line.
-        proc = _cli("run", str(folder), "--tp", "2", "--prompt-ids", "1,2,3")
+        proc = run_cli("run", str(folder), "--tp", "2", "--prompt-ids", "1,2,3")
         assert proc.returncode == 2
         assert proc.stderr.strip() == f"error: {expected}"
 
 
 def test_bad_layout_names_nearest_valid(tiny):
-    proc = _cli("run", str(tiny["llama-3.1-8b"]), "--tp", "3", "--prompt-ids", "1,2")
+    proc = run_cli("run", str(tiny["llama-3.1-8b"]), "--tp", "3", "--prompt-ids", "1,2")
     assert proc.returncode == 2
     assert "nearest valid is --tp 4" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_cli_run_json_tp2_sampling_matches_tp1(tiny):
     folder = tiny["qwen3-30b-a3b"]
-    proc = _cli(
+    proc = run_cli(
         "run", str(folder), "--tp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json",
         "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--allreduce", "ring",
     )
@@ -152,8 +139,8 @@ def test_cli_run_json_tp2_sampling_matches_tp1(tiny):
 
 def test_cli_make_checkpoint(tmp_path):
     out = tmp_path / "ds"
-    proc = _cli("make-checkpoint", "--model", "deepseek-v3", "--scale", "tiny", "--out", str(out))
+    proc = run_cli("make-checkpoint", "--model", "deepseek-v3", "--scale", "tiny", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
-    proc = _cli("make-checkpoint", "--model", "deepseek-v2-lite", "--out", str(tmp_path / "v2"))
+    proc = run_cli("make-checkpoint", "--model", "deepseek-v2-lite", "--out", str(tmp_path / "v2"))
     assert proc.returncode == 2 and "make-checkpoint supports" in proc.stderr

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import cli_argv, cli_env
 from shardwise.runtime.checkpoint import make_checkpoint
-from shardwise.spec.model import NORM, parse_config
+from shardwise.spec.model import NORM
+from shardwise.spec.parse import parse_config
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 LIMIT_S = 60.0
 
 
@@ -70,11 +70,9 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize(("tp", "victim"), [(2, 1), (3, 0)], ids=["tp2-kill-rank1", "tp3-kill-rank0"])
 def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
     # rank 0 sleeps 1 ms per layer (testing hook) so 20000 tokens take far longer than the test
-    env = {**os.environ, "PYTHONPATH": SRC, "SHARDWISE_TEST_SLOW_RANK": "0:0.001"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardwise", "run", str(llama6), "--tp", str(tp), "--prompt-ids", "1,2,3",
-         "--max-new-tokens", "20000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cli_argv("run", str(llama6), "--tp", str(tp), "--prompt-ids", "1,2,3", "--max-new-tokens", "20000"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env({"SHARDWISE_TEST_SLOW_RANK": "0:0.001"}),
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr))
@@ -99,7 +97,7 @@ def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
         reader.join()
     stderr = "".join(lines)
     assert took < LIMIT_S, f"took {took:.1f} s"
-    assert proc.returncode != 0
+    assert proc.returncode == 2, stderr  # the lost rank is a ShardwiseError (RankFailure): exit 2
     last = stderr.strip().splitlines()[-1]
     lost = f"rank {victim} of {tp} failed: killed by SIGKILL (exit code -9)"
     assert last.startswith(f"error: {lost}"), stderr

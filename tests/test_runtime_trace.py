@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_cli
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan
 from shardwise.runtime import layers as layers_mod
@@ -23,18 +22,13 @@ from shardwise.runtime.model import ShardedCausalLM
 from shardwise.runtime.runner import slow_rank_hook
 from shardwise.runtime.trace import Tracer, clock_offset, summarize
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 STEPS = 6  # max new tokens: 1 prefill + 5 decode steps
 SLOW_S = 0.01  # the testing hook's sleep per layer on the slowed rank
 
 
 def _run(folder: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", "run", str(folder), "--tp", "2", "--prompt-ids", "1,2,3",
-         "--max-new-tokens", str(STEPS), "--trace", str(out), *extra],
-        capture_output=True, text=True, timeout=240,
-        env={**os.environ, "PYTHONPATH": SRC, **(env or {})},
-    )
+    return run_cli("run", str(folder), "--tp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", str(STEPS),
+                   "--trace", str(out), *extra, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +75,19 @@ def test_chrome_trace_covers_every_layer_step_and_rank(traced):
         assert 0.8 * traced["doc"]["decode_s"] <= traced_s <= traced["doc"]["decode_s"] * 1.01 + 1e-3
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"rank 0", "rank 1"}
+    # waiting is waiting for the last rank to arrive: at every collective both ranks' wait spans end
+    # together, at the last arrival; the rank that arrived last did not wait, the other did
+    waits = defaultdict(dict)
+    for e in xs:
+        if e["cat"] == "wait":
+            waits[(e["args"]["step"], e["args"]["layer"], e["args"]["block"])][e["pid"]] = e
+    assert len(waits) == STEPS * 2 * 2  # every step, layer and block
+    for key, by_rank in waits.items():
+        assert sorted(by_rank) == [0, 1], key
+        ends = [e["ts"] + e["dur"] for e in by_rank.values()]
+        assert max(ends) - min(ends) < 0.01, (key, ends)  # µs; stamps are rounded to the ns
+        (last,) = {e["args"]["last_arrival_rank"] for e in by_rank.values()}
+        assert by_rank[last]["dur"] == 0 and by_rank[1 - last]["dur"] > 0, (key, by_rank)
 
 
 def test_summary_schema(traced):
@@ -89,12 +96,26 @@ def test_summary_schema(traced):
     assert s["measured_tok_per_s"] == doc["tok_per_s"] > 0
     assert s["decode_steps"] == STEPS - 1
     assert {(x["layer"], x["rank"]) for x in s["layers"]} == {(i, r) for i in range(2) for r in range(2)}
+    # the summary's waits are the trace's: per decode step, the sum of that rank's wait spans at that layer
+    decode = {(e["pid"], e["args"]["step"]) for e in traced["trace"]["traceEvents"]
+              if e["ph"] == "X" and e["cat"] == "step" and e["args"]["kind"] == "decode"}
+    traced_wait_s = defaultdict(float)
+    for e in traced["trace"]["traceEvents"]:
+        if e["ph"] == "X" and e["cat"] == "wait" and (e["pid"], e["args"]["step"]) in decode:
+            traced_wait_s[(e["args"]["layer"], e["pid"])] += e["dur"] / 1e6 / (STEPS - 1)
     for x in s["layers"]:
         assert x["kind"] == "gqa" and x["mlp"] == "dense"
-        assert x["compute_s"] > 0 and x["comm_s"] > 0 and x["wait_s"] >= 0 and x["sync_s"] >= 0
+        assert x["compute_s"] > 0 and x["comm_s"] > 0 and x["sync_s"] > 0  # the arrival exchange takes time
+        assert x["wait_s"] == pytest.approx(traced_wait_s[(x["layer"], x["rank"])], abs=1e-8)
+    for layer in range(2):
+        rows = [x for x in s["layers"] if x["layer"] == layer]
+        # at every collective one rank arrives last and the other waits for it
+        assert sum(x["last_arrival_share"] for x in rows) == pytest.approx(1.0)
+        assert sum(x["wait_s"] for x in rows) > 0
     for r in s["ranks"]:
         parts = r["compute_s"] + r["comm_s"] + r["wait_s"] + r["sync_s"] + r["other_s"]
-        assert parts == pytest.approx(r["step_s"], rel=1e-6) and r["other_s"] >= 0
+        # other: embedding, final norm, LM head and sampling, which take time
+        assert parts == pytest.approx(r["step_s"], rel=1e-6) and r["other_s"] > 0
     assert s["slowest_rank"] in (0, 1)
     assert doc["trace"]["summary"] == s
     assert all(c["method"] == "same-host" and c["offset_ns"] == 0 for c in s["clock"])

@@ -2,7 +2,7 @@
 KV rollback, and bad input.
 
 Checkpoints: tiny random ones of every runtime architecture, plus derived ones with known
-behaviour (``runtime.controlled``): a *counting* target (greedy next token = t+1) so prompt
+behaviour (``testing.controlled``): a *counting* target (greedy next token = t+1) so prompt
 lookup drafts are all accepted on a copy-heavy prompt and none on a random one, a draft
 that is the target itself (all accepted), an unrelated random draft (none), and a
 one-layer draft with a noisy LM head (some). tp = 1 runs in process, tp = 2 in real
@@ -14,19 +14,16 @@ tp = 1 and k = 4 at tp = 2, to keep the suite within a few minutes on two shared
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_cli
 from shardwise.errors import ShardwiseError
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.plan import ParallelPlan
 from shardwise.runtime.checkpoint import make_checkpoint
-from shardwise.runtime.controlled import (
+from shardwise.testing.controlled import (
     counting,
     derive_checkpoint,
     perturb_lm_head,
@@ -43,7 +40,6 @@ from shardwise.runtime.speculative import (
     speculative_summary,
 )
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 ARCHS = ("llama-3.1-8b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b")
 KS = tuple(range(1, 9))
 NEW = 16
@@ -98,11 +94,18 @@ class _PoisonRejected(Drafter):
 
     def rollback(self, length):
         self.inner.rollback(length)
-        for name, buf in self.model.named_buffers():
-            if name.endswith(("k_cache", "v_cache")):
-                buf[:, :, length:] = float("nan")
-            elif name.endswith("latent_cache"):
-                buf[:, length:] = float("nan")
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            if getattr(attn, "window", None) is not None:  # sliding ring: the slots of positions >= length
+                stale = torch.arange(max(length, attn.written - attn.cache_len), attn.written) % attn.cache_len
+                attn.k_cache[:, :, stale] = float("nan")
+                attn.v_cache[:, :, stale] = float("nan")
+                continue
+            for name, buf in attn.named_buffers():
+                if name.endswith(("k_cache", "v_cache")):
+                    buf[:, :, length:] = float("nan")
+                elif name.endswith("latent_cache"):
+                    buf[:, length:] = float("nan")
 
 
 def _load(folder: str, tp: int, rank: int, max_batch: int = 1):
@@ -110,7 +113,7 @@ def _load(folder: str, tp: int, rank: int, max_batch: int = 1):
     from shardwise.runtime.model import ShardedCausalLM
 
     model = ShardedCausalLM(load_spec(folder), ParallelPlan(tp=tp, ep=1), rank, torch.float32,
-                            max_seq_len=80, max_batch=max_batch)
+                            max_seq_len=80, max_batch=max_batch, max_step_tokens=max(KS) + 1)
     load_shard(model, folder)
     return model
 
@@ -294,17 +297,10 @@ def test_bad_acceptance_and_vocabulary(tmp_path):
         check_draft(raw, small)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from shardwise.cli import main; main()", *args],
-        check=False, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": SRC},
-    )
-
-
 def test_cli_spec_json_and_errors(ckpts, tmp_path):
     count = ckpts["llama-3.1-8b"]["count"]
     ids = ",".join(map(str, COPY))
-    done = _cli("run", count, "--tp", "2", "--prompt-ids", ids, "--max-new-tokens", "16",
+    done = run_cli("run", count, "--tp", "2", "--prompt-ids", ids, "--max-new-tokens", "16",
                 "--spec", "ngram", "--spec-tokens", "4", "--json")
     assert done.returncode == 0, done.stderr
     spec = json.loads(done.stdout)["speculative"]
@@ -316,6 +312,6 @@ def test_cli_spec_json_and_errors(ckpts, tmp_path):
         (("--spec", "ngram", "--spec-tokens", "0"), "--spec-tokens must be >= 1, got 0"),
         (("--draft", str(small)), "has vocab_size 256, the target 512"),
     ):
-        bad = _cli("run", count, "--tp", "1", "--prompt-ids", ids, *args)
-        assert bad.returncode != 0 and message in bad.stderr, bad.stderr
+        bad = run_cli("run", count, "--tp", "1", "--prompt-ids", ids, *args)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr  # a ShardwiseError: one line, exit 2
         assert "Traceback" not in bad.stderr

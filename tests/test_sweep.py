@@ -6,36 +6,29 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.commands.sweep import build_request, parse_counts, to_csv
+from conftest import run_cli
+from shardwise.commands.sweep import to_csv
 from shardwise.errors import ShardwiseError
-from shardwise.perf import sweep as core
-from shardwise.perf.decode import layer_costs
-from shardwise.perf.estimate import Scenario, _prefill, decode_speed, estimate, formats_bits, hardware_of
-from shardwise.perf.memory import fits as scalar_fits
-from shardwise.perf.pareto import SweepRequest, draft_terms, link_capacity, pareto_mask, quant_variants, run_sweep
+from shardwise.perf import core
+from shardwise.perf.configurations import link_capacity, quant_variants
+from shardwise.perf.decode import layout_table
+from shardwise.perf.estimate import Scenario, decode_speed, estimate, formats_bits, hardware_of, prefill_speed
+from shardwise.perf.memory import memory_fit
+from shardwise.perf.pareto import pareto_mask
+from shardwise.perf.sweep import SweepRequest, draft_terms, run_sweep
 from shardwise.perf.profiles import get_profile
+from shardwise.perf.scenario import build_request, parse_counts
 from shardwise.plan import ParallelPlan, validate_plan
 from shardwise.spec.hardware import get_box, get_link
-from shardwise.spec.model import load_model
+from shardwise.spec.parse import load_model
 
-ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "250"}
-    return subprocess.run([sys.executable, "-c", "from shardwise.cli import main; main()", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
 
 
 def _plans(model, n: int) -> list[ParallelPlan]:
@@ -81,7 +74,8 @@ def test_core_equals_scalar_planner(model_name, box_name, link_name):
                             hw.link_alpha_s, hw.link_beta_bytes_per_s, context, link_network=hw.network,
                             allreduce=prof.allreduce, spec_tokens=spec_tokens, acceptance=0.8, **common)
         pre = core.evaluate_prefill(model, table, idx, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, hw.link_alpha_s,
-                                    hw.link_beta_bytes_per_s, 2048, link_network=hw.network, **common)
+                                    hw.link_beta_bytes_per_s, 2048, link_network=hw.network, allreduce=prof.allreduce,
+                                    **common)
         for i, plan in enumerate(plans):
             sc = Scenario(model=model, box=box, boxes=plan.world_size, link=link, plan=plan, formats=formats,
                           profile=prof, context_tokens=context, spec_tokens=spec_tokens,
@@ -92,9 +86,9 @@ def test_core_equals_scalar_planner(model_name, box_name, link_name):
             assert out["compute_s"][i] == pytest.approx(final.compute_s, rel=1e-12)
             compute_bound += final.compute_s > final.memory_s
             box_bytes = box.memory_gb * GB
-            assert bool(out["fits"][i]) == scalar_fits(model, plan, bits, context, 2.0, box_bytes, 0.10)
+            assert bool(out["fits"][i]) == memory_fit(model, plan, bits, context, 2.0, box_bytes, 0.10).fits
             if spec_tokens == 0:
-                ref = _prefill(sc, layer_costs(model, plan, bits, 2.0), bits, hw)
+                ref = prefill_speed(sc, layout_table(model, plan, bits, 2.0), hw)
                 assert pre["tok_per_s"][i] == pytest.approx(ref["tok_per_s"], rel=1e-12)
     if box_name == "raspberry-pi-5-8gb":
         assert compute_bound, "the Pi case should exercise compute-bound steps"
@@ -190,7 +184,7 @@ def _reference(constraints: dict) -> dict[tuple, float]:
                             link = get_link(link_name) if link_name else None
                             if link is not None and n > link_capacity(box, link):
                                 continue
-                            if not scalar_fits(model, plan, bits, 4096, 2.0, box.memory_gb * GB, 0.10):
+                            if not memory_fit(model, plan, bits, 4096, 2.0, box.memory_gb * GB, 0.10).fits:
                                 continue
                             switches = math.ceil(n / link.switch_ports) if link and link.switch_ports and n > 2 else 0
                             usd = n * price + switches * ((link.switch_price_usd or 0.0) if link else 0.0)
@@ -268,7 +262,7 @@ def test_prefill_objective_keeps_fast_prefill_rows():
 
 
 def test_kimi_budget_includes_or_explains_16_sparks():
-    res = _cli("sweep", "--model", "kimi-k3", "--budget", "120000", "--json")
+    res = run_cli("sweep", "--model", "kimi-k3", "--budget", "120000", "--json")
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
     for key in ("model", "box", "boxes", "link", "tp", "ep", "pp", "tok_per_s", "usd", "watts", "bottleneck"):
@@ -286,7 +280,7 @@ def test_kimi_budget_includes_or_explains_16_sparks():
 
 
 def test_spark_4_ranks_models_that_fit():
-    res = _cli("sweep", "--box", "dgx-spark", "--boxes", "4", "--json")
+    res = run_cli("sweep", "--box", "dgx-spark", "--boxes", "4", "--json")
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
     assert {r["box"] for r in rows} == {"dgx-spark"} and {r["boxes"] for r in rows} == {4}
@@ -294,10 +288,10 @@ def test_spark_4_ranks_models_that_fit():
     spark = get_box("dgx-spark")
     for name in ("llama-3.1-8b", "gpt-oss-120b", "kimi-k3"):
         model = load_model(name)
-        any_fit = any(scalar_fits(load_model(name), p, formats_bits(v.format_map), 4096, 2.0, spark.memory_gb * GB, 0.1)
+        any_fit = any(memory_fit(load_model(name), p, formats_bits(v.format_map), 4096, 2.0, spark.memory_gb * GB, 0.1).fits
                       for p in _plans(model, 4) for v in quant_variants(model, None, None))
         assert (name in models) == any_fit, name
-    human = _cli("sweep", "--box", "dgx-spark", "--boxes", "4")
+    human = run_cli("sweep", "--box", "dgx-spark", "--boxes", "4")
     assert human.returncode == 0
     assert "Models ranked by decode tok/s" in human.stdout
     order = [line.split("│")[2].strip() for line in human.stdout.splitlines() if line.startswith("│") and "│ " in line]
@@ -310,8 +304,8 @@ def test_spark_4_ranks_models_that_fit():
 
 def test_csv_matches_json():
     args = ("sweep", "--model", "llama-3.1-8b", "--box", "dgx-spark,rtx-4090", "--boxes", "1-4")
-    js = json.loads(_cli(*args, "--json").stdout)
-    text = _cli(*args, "--csv").stdout
+    js = json.loads(run_cli(*args, "--json").stdout)
+    text = run_cli(*args, "--csv").stdout
     lines = text.strip().splitlines()
     assert lines[0].startswith("model,box,boxes,link,tp,ep,pp")
     assert len(lines) == len(js) + 1
@@ -319,15 +313,15 @@ def test_csv_matches_json():
 
 
 def test_constraint_nothing_meets_names_binding_constraint_and_nearest():
-    res = _cli("sweep", "--model", "kimi-k3", "--box", "dgx-spark", "--budget", "20000")
+    res = run_cli("sweep", "--model", "kimi-k3", "--box", "dgx-spark", "--budget", "20000")
     assert res.returncode == 2
     line = res.stderr.strip()
     assert "\n" not in line
     assert "--budget 20,000 binds" in line and "nearest: kimi-k3" in line and "over --budget" in line
-    res = _cli("sweep", "--model", "llama-3.1-8b", "--min-tok-per-s", "100000")
+    res = run_cli("sweep", "--model", "llama-3.1-8b", "--min-tok-per-s", "100000")
     assert res.returncode == 2
     assert "--min-tok-per-s 100000 binds" in res.stderr and "under --min-tok-per-s" in res.stderr
-    res = _cli("sweep", "--model", "kimi-k3", "--box", "dgx-spark", "--max-boxes", "4")
+    res = run_cli("sweep", "--model", "kimi-k3", "--box", "dgx-spark", "--max-boxes", "4")
     assert res.returncode == 2
     assert "memory" in res.stderr and "GB short of memory" in res.stderr
 
@@ -343,7 +337,7 @@ def test_constraint_nothing_meets_names_binding_constraint_and_nearest():
      "but qwen3-30b-a3b has 151,936"),
 ])
 def test_bad_input_is_one_line(args, needle):
-    res = _cli("sweep", "--model", "llama-3.1-8b", *args)
+    res = run_cli("sweep", "--model", "llama-3.1-8b", *args)
     assert res.returncode == 2
     assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1
 

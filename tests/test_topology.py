@@ -7,8 +7,9 @@ import time
 import pytest
 
 from shardwise.errors import ShardwiseError
+from shardwise.perf.ring_order import best_ring_order, worst_ring_order
 from shardwise.spec.hardware import load_topology_file
-from shardwise.topology import Edge, Topology, best_ring_order, worst_ring_order
+from shardwise.spec.topology import Edge, Topology
 
 LAT = 5e-6
 

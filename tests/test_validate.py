@@ -1,13 +1,11 @@
 """The model against published measurements, and the calibration that fits the runtime profiles."""
 
 import csv
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import cli_json
 from shardwise.errors import ShardwiseError
 from shardwise.perf.calibrate import DEFAULT_CSV, calibrate
 from shardwise.perf.measurements import parse_number, read_measurements, resolve
@@ -73,10 +71,7 @@ def test_missing_column_is_named(tmp_path):
 
 
 def test_validate_cli_json():
-    proc = subprocess.run([sys.executable, "-m", "shardwise", "validate", str(DEFAULT_CSV), "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
+    doc = cli_json("validate", str(DEFAULT_CSV))
     assert {"median_ape", "baseline_median_ape", "resolved", "unresolved", "rows"} <= set(doc)
     row = doc["rows"][0]
     assert {"measured_tok_per_s", "predicted_tok_per_s", "ape", "roofline_ape"} <= set(row)

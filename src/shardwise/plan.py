@@ -15,10 +15,17 @@ Layout semantics (shared by the planner's byte counts and the runtime's loader):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shardwise.errors import ShardwiseError
-from shardwise.spec.model import EMBEDDING, ModelSpec, TensorSpec
+from shardwise.quant.formats import get_format
+from shardwise.spec.model import EMBEDDING, ROUTED_EXPERTS, ModelSpec, TensorSpec
+
+PACKED_BLOCK_MAX = 256
+"""Block formats up to this many weights per scale run along the input dimension and stay
+packed in the runtime's memory (MXFP4 32, NVFP4 16, int4 groups 128); fp8's 128×128 tiles are
+decoded at load and may be cut anywhere."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,16 @@ def valid_tp_degrees(model: ModelSpec) -> list[int]:
     return out
 
 
-def validate_plan(model: ModelSpec, plan: ParallelPlan) -> None:
-    """Raise a one-line ShardwiseError naming the nearest valid layout when ``plan`` cannot cut ``model``."""
+def validate_plan(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, str] | None = None) -> None:
+    """Raise a one-line ShardwiseError naming the nearest valid layout when ``plan`` cannot cut ``model``.
+
+    The one validity check ``plan``, ``sweep`` and ``run`` share: degrees >= 1; attention, KV and
+    linear-attention heads divisible by tp (KV heads may replicate); experts divisible by ep,
+    ep dividing tp and the expert intermediate size divisible by tp/ep; no more stages than
+    layers; a rank order that is a permutation; and routed experts stored in a block format
+    (``formats``, default the checkpoint's: MXFP4, NVFP4, int4 groups stay packed in memory)
+    never cut inside a block. The vocabulary needs no check: it is padded to a multiple of tp.
+    """
     for name, value in (("tp", plan.tp), ("ep", plan.ep), ("pp", plan.pp)):
         if value < 1:
             raise ShardwiseError(f"--{name} must be >= 1, got {value}")
@@ -118,6 +133,38 @@ def validate_plan(model: ModelSpec, plan: ParallelPlan) -> None:
         raise ShardwiseError(
             f"rank order {list(plan.rank_order)} must be a permutation of 0..{plan.world_size - 1}"
         )
+    _check_expert_blocks(model, plan, formats if formats is not None else model.group_formats())
+
+
+def _check_expert_blocks(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, str]) -> None:
+    """Routed experts in a 1-D block format stay packed: a rank's slice of their inputs must hold
+    whole blocks."""
+    if model.moe is None or plan.etp == 1:
+        return
+    fmt = get_format(formats.get(ROUTED_EXPERTS, model.dtype))
+    if not fmt.block_size or fmt.block_size > PACKED_BLOCK_MAX:
+        return
+    for layer in model.layers:
+        for tensor in layer.tensors:
+            if not tensor.is_routed or len(tensor.shape) - (tensor.expert_dim is not None) < 2:
+                continue
+            full, local = tensor.shape[-1], shard_shape(tensor, plan, 0)[-1]
+            if full % fmt.block_size == 0 and local % fmt.block_size:
+                raise ShardwiseError(
+                    f"{fmt.name} tensor '{tensor.name}' would be split into {local}-element slices of its {full} "
+                    f"inputs at --tp {plan.tp} --ep {plan.ep}, expected a multiple of {fmt.block_size} (whole blocks): "
+                    f"use --ep {plan.tp}"
+                )
+        return  # every MoE layer has the same expert shapes
+
+
+def is_valid_plan(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, str] | None = None) -> bool:
+    """True when ``validate_plan`` accepts ``plan``."""
+    try:
+        validate_plan(model, plan, formats)
+    except ShardwiseError:
+        return False
+    return True
 
 
 def default_plan(model: ModelSpec, boxes: int) -> ParallelPlan:
@@ -125,10 +172,15 @@ def default_plan(model: ModelSpec, boxes: int) -> ParallelPlan:
     the box count, experts split over all TP ranks (EP = TP) when the experts allow, PP for the rest."""
     tps = [t for t in valid_tp_degrees(model) if boxes % t == 0]
     tp = max(tps) if tps else 1
-    ep = 1
-    if model.moe is not None:
-        ep = max(d for d in _divisors(tp) if model.moe.num_experts % d == 0)
-    return ParallelPlan(tp=tp, ep=ep, pp=boxes // tp)
+    return ParallelPlan(tp=tp, ep=default_ep(model, tp), pp=boxes // tp)
+
+
+def default_ep(model: ModelSpec, tp: int) -> int:
+    """Experts spread over all ``tp`` ranks when they divide evenly, else the largest divisor of
+    ``tp`` that divides the expert count (1 for dense models)."""
+    if model.moe is None:
+        return 1
+    return max(d for d in _divisors(tp) if model.moe.num_experts % d == 0)
 
 
 # ---- shards --------------------------------------------------------------------------------
@@ -168,7 +220,7 @@ def shard_slice(tensor: TensorSpec, plan: ParallelPlan, tp_rank: int) -> tuple[i
         start = tp_rank * size
     else:
         start = (tp_rank // (plan.tp // units)) * tensor.tp_unit
-    return start, start + size
+    return start, min(start + size, full)  # a padded (tp_pad) slice may end past the tensor
 
 
 def local_experts(num_experts: int, plan: ParallelPlan, tp_rank: int) -> range:
@@ -178,49 +230,58 @@ def local_experts(num_experts: int, plan: ParallelPlan, tp_rank: int) -> range:
     return range(group * per, (group + 1) * per)
 
 
-def rank_tensors(model: ModelSpec, plan: ParallelPlan, rank: int) -> list[TensorSpec]:
-    """The tensors rank ``rank`` holds (its stage's layers plus its stage's globals)."""
-    stage = rank // plan.tp
-    layers = plan.stage_layers(model.num_layers, stage)
-    out: list[TensorSpec] = []
+def stage_globals(model: ModelSpec, plan: ParallelPlan, stage: int) -> list[TensorSpec]:
+    """The non-layer tensors pipeline ``stage`` holds: the embedding on the first stage, the final
+    norm and LM head on the last (the tied embedding there too)."""
     last = stage == plan.pp - 1
-    for t in model.globals:
-        if t.group == EMBEDDING:
-            if stage == 0 or (last and model.tie_word_embeddings):
-                out.append(t)
-        elif last:
-            out.append(t)
-    for i in layers:
-        out.extend(model.layers[i].tensors)
-    return out
-
-
-def _tensor_counts(tensors, plan: ParallelPlan, tp_rank: int, counts: dict[str, int]) -> None:
-    for t in tensors:
-        n = math.prod(shard_shape(t, plan, tp_rank))
-        if t.is_routed and t.expert_dim is None:
-            n *= t.experts // plan.ep
-        counts[t.group] = counts.get(t.group, 0) + n
-
-
-def rank_param_counts(model: ModelSpec, plan: ParallelPlan, rank: int) -> dict[str, int]:
-    """Parameters (elements) rank ``rank`` holds, per tensor group."""
-    tp_rank = rank % plan.tp
-    stage = rank // plan.tp
-    last = stage == plan.pp - 1
-    counts: dict[str, int] = {}
-    globals_ = [
+    return [
         t for t in model.globals
         if (t.group == EMBEDDING and (stage == 0 or (last and model.tie_word_embeddings)))
         or (t.group != EMBEDDING and last)
     ]
-    _tensor_counts(globals_, plan, tp_rank, counts)
+
+
+def rank_tensors(model: ModelSpec, plan: ParallelPlan, rank: int) -> list[TensorSpec]:
+    """The tensors rank ``rank`` holds (its stage's layers plus its stage's globals)."""
+    stage = rank // plan.tp
+    out = stage_globals(model, plan, stage)
+    for i in plan.stage_layers(model.num_layers, stage):
+        out.extend(model.layers[i].tensors)
+    return out
+
+
+def held_numel(tensor: TensorSpec, plan: ParallelPlan) -> int:
+    """Elements of ``tensor`` one tensor rank holds: its shard, times its local experts for
+    per-expert templates (fused expert tensors have the expert dimension already cut)."""
+    n = math.prod(shard_shape(tensor, plan, 0))
+    if tensor.is_routed and tensor.expert_dim is None:
+        n *= tensor.experts // plan.ep
+    return n
+
+
+def picked_expert_numel(tensor: TensorSpec, plan: ParallelPlan) -> int:
+    """Elements of one routed expert's shard of ``tensor`` (what one picked expert reads)."""
+    shape = shard_shape(tensor, plan, 0)
+    n = math.prod(shape)
+    return n if tensor.expert_dim is None else n // shape[tensor.expert_dim]
+
+
+def _tensor_counts(tensors, plan: ParallelPlan, counts: dict[str, int]) -> None:
+    for t in tensors:
+        counts[t.group] = counts.get(t.group, 0) + held_numel(t, plan)
+
+
+def rank_param_counts(model: ModelSpec, plan: ParallelPlan, rank: int) -> dict[str, int]:
+    """Parameters (elements) rank ``rank`` holds, per tensor group (equal on every rank of a stage)."""
+    stage = rank // plan.tp
+    counts: dict[str, int] = {}
+    _tensor_counts(stage_globals(model, plan, stage), plan, counts)
     per_structure: dict[int, dict[str, int]] = {}
     for i in plan.stage_layers(model.num_layers, stage):
         sid = model.layer_structure[i]
         if sid not in per_structure:
             per_structure[sid] = {}
-            _tensor_counts(model.layers[i].tensors, plan, tp_rank, per_structure[sid])
+            _tensor_counts(model.layers[i].tensors, plan, per_structure[sid])
         for group, n in per_structure[sid].items():
             counts[group] = counts.get(group, 0) + n
     return counts

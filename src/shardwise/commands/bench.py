@@ -77,16 +77,14 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="print the bench JSON")] = False,
     ) -> None:
         """Run a checkpoint traced and plan it on the probed cluster: predicted vs measured decode."""
-        from shardwise.bench import (OpCounts, bench_document, count_rank_ops, predict, predicted_trace_events,
-                                     with_host_probe)
-        from shardwise.commands.probe import run_probe
-        from shardwise.commands.run import DEFAULT_PROMPT, _default_ep, _parse_ids
+        from shardwise.measure.bench import (OpCounts, bench_document, count_rank_ops, predict,
+                                             predicted_trace_events, with_host_probe)
+        from shardwise.measure.probe import ProbeConfig, run_probe
         from shardwise.perf.allreduce_choice import choose_allreduce
-        from shardwise.plan import ParallelPlan
-        from shardwise.probe import ProbeConfig
+        from shardwise.plan import ParallelPlan, default_ep
         from shardwise.runtime.checkpoint import default_checkpoint
         from shardwise.runtime.comm import get_allreduce
-        from shardwise.runtime.generate import encode_prompt
+        from shardwise.runtime.generate import DEFAULT_PROMPT, encode_prompt, parse_prompt_ids
         from shardwise.runtime.launch import launch_local
         from shardwise.runtime.loader import load_spec
         from shardwise.runtime.model import check_runnable, torch_dtype
@@ -99,7 +97,7 @@ def register(app: typer.Typer) -> None:
             raise ShardwiseError(f"--max-new-tokens must be >= 4 for a decode measurement, got {max_new_tokens}")
         folder = checkpoint if checkpoint is not None else default_checkpoint()
         spec = load_spec(folder)
-        ep = ep if ep is not None else _default_ep(spec, tp)
+        ep = ep if ep is not None else default_ep(spec, tp)
         check_runnable(spec, ParallelPlan(tp=tp, ep=ep))
         torch_dtype(dtype)
         if allreduce != "auto":
@@ -107,7 +105,7 @@ def register(app: typer.Typer) -> None:
         for path in (out, trace):
             if not path.parent.is_dir():
                 raise ShardwiseError(f"{path}: folder '{path.parent}' does not exist")
-        ids = _parse_ids(prompt_ids) if prompt_ids is not None else tuple(encode_prompt(folder, DEFAULT_PROMPT))
+        ids = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tuple(encode_prompt(folder, DEFAULT_PROMPT))
         if probe is not None:
             try:
                 probe_doc = json.loads(probe.read_text())
@@ -122,8 +120,8 @@ def register(app: typer.Typer) -> None:
             cfg = ProbeConfig(max_bytes=1 << 20, iters=10, algorithms=algs, matmul_size=256,
                               dtypes=(("fp32", "bf16") if torch_dtype(dtype).itemsize == 4 else ("bf16", "fp32")))
             probe_doc = run_probe(cfg, tp, timeout_s=timeout, show_progress=not json_out)
-            from shardwise.commands.probe import DEFAULT_BOX, DEFAULT_LINK
-            from shardwise.probe import cluster_of
+            from shardwise.measure.probe import DEFAULT_BOX, DEFAULT_LINK
+            from shardwise.measure.probe_fit import cluster_of
             from shardwise.spec.hardware import cluster_to_toml
 
             probe_doc["cluster"] = cluster_to_toml(cluster_of(probe_doc, DEFAULT_BOX, DEFAULT_LINK, "shardwise bench probe"))

@@ -13,7 +13,7 @@ def catalog_document() -> dict:
     from shardwise.perf.profiles import load_profiles
     from shardwise.quant.formats import FORMATS
     from shardwise.spec.hardware import load_catalog
-    from shardwise.spec.model import catalog_models, load_model
+    from shardwise.spec.parse import catalog_models, load_model
 
     cat = load_catalog()
     models = []

@@ -12,114 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from shardwise.errors import ShardwiseError
-
-SEED = {"model": "kimi-k3", "box": "dgx-spark", "boxes": 16, "link": "100g-roce"}
-
-
-def decode_inputs(kv_dtype: str, spec_tokens: int, acceptance: float | None, workload: str | None) -> tuple[float, float]:
-    """(KV-cache bytes per element, draft acceptance) from the CLI flags, checked (one-line errors)."""
-    from shardwise.perf.speculative import check_spec, resolve_acceptance
-
-    kv_bytes = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp32": 4.0}.get(kv_dtype)
-    if kv_bytes is None:
-        raise ShardwiseError(f"--kv-dtype '{kv_dtype}' is unknown: use bf16, fp16, fp8 or fp32")
-    if spec_tokens < 0:
-        raise ShardwiseError(f"--spec-tokens must be >= 0, got {spec_tokens}")
-    acc = 0.0
-    if spec_tokens:
-        acc = resolve_acceptance(acceptance, workload)
-        check_spec(spec_tokens, acc)
-    elif acceptance is not None:
-        check_spec(1, acceptance)
-    return kv_bytes, acc
-
-
-def build_scenario(
-    model: str, box: str, boxes: int | None, link: str, tp: int | None, ep: int | None, pp: int | None,
-    context: int, prompt_tokens: int, spec_tokens: int, acceptance: float | None, workload: str | None,
-    runtime: str, quant: str | None, experts: str | None, dense: str | None, price: float | None,
-    kv_dtype: str, cluster: str | None = None, draft_model: str | None = None,
-):
-    """Resolve CLI inputs into a validated Scenario (one-line errors on bad input)."""
-    from shardwise.perf.estimate import Scenario
-    from shardwise.perf.profiles import get_profile
-    from shardwise.plan import ParallelPlan, default_plan, validate_plan
-    from shardwise.quant.formats import get_format
-    from shardwise.spec.hardware import get_box, get_link, load_cluster_file
-    from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, load_model
-
-    spec = load_model(model)
-    topology = None
-    if cluster:
-        cl = load_cluster_file(cluster)
-        box_obj, link_obj, n, topology = cl.box, cl.link, cl.boxes, cl.topology
-        if boxes is not None and boxes != n:
-            raise ShardwiseError(f"--boxes {boxes} disagrees with cluster file '{cluster}' ({n} boxes): drop --boxes")
-    else:
-        box_obj, link_obj = get_box(box), get_link(link)
-        n = boxes if boxes is not None else SEED["boxes"]
-    if n < 1:
-        raise ShardwiseError(f"--boxes must be >= 1, got {n}")
-    if tp is None and ep is None and pp is None:
-        plan = default_plan(spec, n)
-    else:
-        base = default_plan(spec, n)
-        t = tp if tp is not None else (n // (pp or 1))
-        p = pp if pp is not None else max(n // max(t, 1), 1)
-        e = ep if ep is not None else (base.ep if t == base.tp else 1)
-        plan = ParallelPlan(tp=t, ep=e, pp=p)
-    validate_plan(spec, plan)
-    if plan.world_size != n:
-        raise ShardwiseError(
-            f"--tp {plan.tp} x --pp {plan.pp} = {plan.world_size} ranks but --boxes is {n}: "
-            f"use --boxes {plan.world_size} or --pp {max(n // plan.tp, 1)}"
-        )
-    formats = spec.group_formats()
-    if quant:
-        get_format(quant)
-        formats.update({g: quant for g in MATMUL_GROUPS})
-    if experts:
-        get_format(experts)
-        formats[ROUTED_EXPERTS] = experts
-    if dense:
-        get_format(dense)
-        formats.update({g: dense for g in MATMUL_GROUPS if g != ROUTED_EXPERTS})
-    kv_bytes, acc = decode_inputs(kv_dtype, spec_tokens, acceptance, workload)
-    draft = resolve_draft(draft_model, [spec], spec_tokens)
-    if context < 1:
-        raise ShardwiseError(f"--context must be >= 1 token, got {context}")
-    if price is not None:
-        unit_price, price_note = price, "--price"
-    elif getattr(box_obj, "builder_price_usd", None):
-        unit_price = box_obj.builder_price_usd
-        price_note = f"what the seed's builder paid; list price ${box_obj.list_price_usd:,.0f} (--price to change)"
-    else:
-        unit_price, price_note = box_obj.list_price_usd, "list price (--price to change)"
-    return Scenario(
-        model=spec, box=box_obj, boxes=n, link=link_obj, plan=plan, formats=formats,
-        profile=get_profile(runtime), context_tokens=context, prompt_tokens=prompt_tokens,
-        spec_tokens=spec_tokens, acceptance=acc, price_usd=unit_price, price_note=price_note,
-        kv_bytes=kv_bytes, topology=topology, draft=draft,
-    )
-
-
-def resolve_draft(name: str | None, targets: list, spec_tokens: int):
-    """The ``--draft-model`` ModelSpec (or None), checked against every target (one-line errors)."""
-    from shardwise.spec.model import load_model
-
-    if name is None:
-        return None
-    if not spec_tokens:
-        raise ShardwiseError("--draft-model needs --spec-tokens k (tokens it drafts per verify step)")
-    draft = load_model(name)
-    for target in targets:
-        if draft.vocab_size != target.vocab_size:
-            raise ShardwiseError(
-                f"--draft-model {draft.name} has a {draft.vocab_size:,}-token vocabulary but {target.name} has "
-                f"{target.vocab_size:,}: a draft model must share the target's vocabulary"
-            )
-    return draft
-
+from shardwise.perf.scenario import SEED, build_scenario
 
 def render(doc: dict) -> None:
     """Print a plan document as rich tables."""
@@ -220,7 +113,7 @@ def register(app: typer.Typer) -> None:
         if not doc["memory"]["fits"]:
             need = doc["memory"]["min_boxes_layout"]
             raise ShardwiseError(
-                f"{sc.model.name} does not fit on {sc.boxes} x {sc.box.name} ({doc['memory']['free_bytes'] / 1e9:,.1f} GB "
+                f"{sc.model.name} does not fit on {sc.boxes} x {sc.box.name} ({-doc['memory']['free_bytes'] / 1e9:,.1f} GB "
                 f"short on the fullest box): it needs {need if need else 'more than 64'} boxes"
             )
         if json_out:

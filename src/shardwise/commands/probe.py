@@ -3,132 +3,20 @@ print them like nccl-tests and write a cluster file that `shardwise plan --clust
 
 Locally it starts ``--ranks`` processes (``launch_local``, loopback); under ``torchrun``
 (RANK / WORLD_SIZE in the environment) every process joins the torchrun group and rank
-0 prints and writes.
+0 prints and writes (``shardwise.measure.probe.run_probe``).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import os
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from shardwise.errors import ShardwiseError
-
-DEFAULT_BOX = "cpu-host"
-DEFAULT_LINK = "loopback-tcp"
-
-
-def wait_for_master(addr: str, port: int, timeout_s: float) -> float:
-    """Block until a TCP listener answers on ``addr:port``; returns the seconds left of
-    ``timeout_s``. Raises a one-line error naming the address when none answers in time
-    (torch's own store client retries past its timeout)."""
-    deadline = time.monotonic() + timeout_s
-    last = "no attempt"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ShardwiseError(
-                f"no rendezvous listener at {addr}:{port} within {timeout_s:g} s ({last}): start rank 0 "
-                "first and check --master-addr / MASTER_ADDR and MASTER_PORT"
-            )
-        try:
-            with socket.create_connection((addr, port), timeout=min(1.0, left)):
-                return deadline - time.monotonic()
-        except OSError as exc:
-            last = exc.strerror or type(exc).__name__
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-
-def run_probe(
-    cfg, ranks: int, backend: str = "gloo", master_addr: str = "127.0.0.1", timeout_s: float = 60.0,
-    show_progress: bool = True,
-) -> dict[str, Any]:
-    """Probe ``ranks`` local processes (or join torchrun's group); returns the probe document
-    on the printing rank and None on the others."""
-    from shardwise.probe import probe_rank, probe_steps, summarize
-
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        rank = int(os.environ["RANK"]) if os.environ["RANK"].isdigit() else -1
-        left = timeout_s
-        if rank != 0:  # check the master answers before torch's store client retries past the limit
-            addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-            if not port.isdigit():
-                raise ShardwiseError(f"MASTER_PORT={port!r} must be a port number")
-            left = wait_for_master(addr, int(port), timeout_s)
-        import torch.distributed as dist
-
-        from shardwise.runtime.launch import init_from_env
-
-        rank, world = init_from_env(backend, timeout_s=max(left, 1.0))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        with _progress(probe_steps(cfg, world, local), show_progress and rank == 0) as bar:
-            report = probe_rank(rank, world, cfg, bar)
-        reports: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(report, reports, dst=0)
-        dist.destroy_process_group()
-        return summarize(reports, cfg, backend) if rank == 0 else None
-    from shardwise.runtime.launch import launch_local
-
-    if ranks < 1:
-        raise ShardwiseError(f"--ranks must be >= 1, got {ranks}")
-    import multiprocessing
-
-    queue = multiprocessing.get_context("spawn").Queue()
-    result: dict[str, Any] = {}
-
-    def launch() -> None:
-        try:
-            result["reports"] = launch_local(
-                probe_rank, ranks, args=(cfg, queue), backend=backend, master_addr=master_addr,
-                timeout_s=timeout_s, run_timeout_s=None,
-            )
-        except BaseException as exc:  # re-raised in the caller's thread
-            result["error"] = exc
-        finally:
-            queue.put(None)
-
-    worker = threading.Thread(target=launch, daemon=True)
-    with _progress(probe_steps(cfg, ranks, ranks), show_progress) as bar:
-        worker.start()
-        while (item := queue.get()) is not None:
-            bar.put(item)
-    worker.join()
-    if "error" in result:
-        raise result["error"]
-    return summarize(result["reports"], cfg, backend)
-
-
-class _progress:
-    """A rich progress bar fed with ``put((advance, label))``; silent when disabled."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
-
-    def __enter__(self):
-        if self.enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("probe"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TextColumn("{task.description}"), TimeElapsedColumn(), transient=True)
-            self.bar.__enter__()
-            self.task = self.bar.add_task("", total=self.total)
-        return self
-
-    def put(self, item: tuple[int, str]) -> None:
-        if self.enabled:
-            self.bar.update(self.task, advance=item[0], description=item[1])
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self.bar.__exit__(*exc)
-
+from shardwise.measure.probe import DEFAULT_BOX, DEFAULT_LINK
 
 def render(doc: dict[str, Any]) -> None:
     """Print the probe document: one nccl-tests-style table per algorithm, then the fits."""
@@ -192,7 +80,8 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="print the probe JSON document")] = False,
     ) -> None:
         """Measure all-reduce algorithms (nccl-tests style), link α/β, memory bandwidth and matmul TFLOPS."""
-        from shardwise.probe import ProbeConfig, cluster_of
+        from shardwise.measure.probe import ProbeConfig, run_probe
+        from shardwise.measure.probe_fit import cluster_of
         from shardwise.spec.hardware import cluster_to_toml, get_box, get_link, write_cluster_file
 
         get_box(box)

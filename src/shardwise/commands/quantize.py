@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         from shardwise.runtime.loader import load_spec
-        from shardwise.runtime.quantize import quantize_checkpoint
+        from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
 
         spec = load_spec(checkpoint)
         total = sum(t.experts for t in spec.tensors())

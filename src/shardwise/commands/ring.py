@@ -22,7 +22,7 @@ def ring(
 ) -> None:
     """Search the ring order (torchrun/NCCL rank order) with the fastest all-reduce."""
     from shardwise.spec.hardware import load_topology_file
-    from shardwise.topology import best_ring_order, worst_ring_order
+    from shardwise.perf.ring_order import best_ring_order, worst_ring_order
 
     if message_bytes < 0:
         raise ShardwiseError(f"--message-bytes must be >= 0, got {message_bytes}")

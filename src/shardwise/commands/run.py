@@ -13,26 +13,6 @@ import typer
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S
 
-DEFAULT_PROMPT = "Hello world"
-
-
-def _parse_ids(text: str) -> tuple[int, ...]:
-    try:
-        ids = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ShardwiseError(f"--prompt-ids '{text}' must be comma-separated integers like 1,2,3") from None
-    if not ids:
-        raise ShardwiseError("--prompt-ids is empty: pass comma-separated integers like 1,2,3")
-    return ids
-
-
-def _default_ep(spec, tp: int) -> int:
-    """Experts spread over all TP ranks when they divide evenly, else the largest divisor that does."""
-    if spec.moe is None:
-        return 1
-    return max(d for d in range(1, tp + 1) if tp % d == 0 and spec.moe.num_experts % d == 0)
-
-
 def _document(spec, folder: Path, request, reports: list[dict[str, Any]], backend: str) -> dict[str, Any]:
     from shardwise.runtime.generate import load_tokenizer
 
@@ -195,10 +175,10 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
     ) -> None:
         """Generate with the model split over --tp local processes (or join a torchrun group)."""
-        from shardwise.plan import ParallelPlan
+        from shardwise.plan import ParallelPlan, default_ep
         from shardwise.runtime.checkpoint import default_checkpoint
         from shardwise.runtime.comm import get_allreduce
-        from shardwise.runtime.generate import SamplingParams, encode_prompt
+        from shardwise.runtime.generate import DEFAULT_PROMPT, SamplingParams, encode_prompt, parse_prompt_ids
         from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec
         from shardwise.runtime.model import check_runnable, torch_dtype
         from shardwise.runtime.runner import RunRequest, run_rank
@@ -212,7 +192,7 @@ def register(app: typer.Typer) -> None:
         tp = tp if tp is not None else (world or 2)
         if world is not None and tp != world:
             raise ShardwiseError(f"--tp {tp} must equal the torchrun world size {world} (the runtime has no --pp yet)")
-        ep = ep if ep is not None else _default_ep(spec, tp)
+        ep = ep if ep is not None else default_ep(spec, tp)
         plan = ParallelPlan(tp=tp, ep=ep)
         check_runnable(spec, plan)
         if allreduce == "auto":
@@ -241,7 +221,7 @@ def register(app: typer.Typer) -> None:
         with Checkpoint(folder) as ckpt:
             check_checkpoint(spec, ckpt)
         if prompt_ids is not None:
-            ids = _parse_ids(prompt_ids)
+            ids = parse_prompt_ids(prompt_ids)
         else:
             ids = tuple(encode_prompt(folder, prompt if prompt is not None else DEFAULT_PROMPT))
         request = RunRequest(
@@ -252,7 +232,7 @@ def register(app: typer.Typer) -> None:
         if torchrun:
             import torch.distributed as dist
 
-            from shardwise.runtime.launch import init_from_env
+            from shardwise.runtime.rendezvous import init_from_env
 
             rank, world_size = init_from_env(backend, timeout_s=timeout)
             report = run_rank(rank, world_size, request)

@@ -4,7 +4,7 @@ of decode tok/s vs cost vs power (and prefill tok/s with --prefill), best first.
 Any dimension can be fixed: --model, --box, --boxes, --link, --quant / --experts. Constraints:
 --budget (USD), --max-watts (loaded W), --min-tok-per-s, --context (tokens the KV cache must
 hold), --max-boxes. The rules behind each row (which links a box can use, switches, prices,
-quantization variants) are in ``shardwise.perf.pareto``.
+quantization variants) are in ``shardwise.perf.sweep`` and ``shardwise.perf.configurations``.
 """
 
 from __future__ import annotations
@@ -18,97 +18,14 @@ from typing import Annotated, Optional
 import typer
 
 from shardwise.errors import ShardwiseError
+from shardwise.perf.scenario import DEFAULT_MAX_BOXES, SEED, build_request
 
-DEFAULT_MAX_BOXES = 64
 CSV_FIELDS = (
     "model", "box", "boxes", "link", "tp", "ep", "pp", "layout", "quant", "bits_per_weight", "tok_per_s",
     "prefill_tok_per_s", "prefill_bottleneck", "usd", "watts", "rated_watts", "switches", "price_per_box_usd", "price_basis",
     "joules_per_token", "usd_per_tok_per_s", "bottleneck", "step_s", "collective_s", "free_bytes",
     "context_tokens", "runtime", "spec_tokens", "draft_model", "box_name", "link_name",
 )
-
-
-def _names(value: str | None, what: str) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    names = tuple(v.strip() for v in value.split(",") if v.strip())
-    if not names:
-        raise ShardwiseError(f"--{what} is empty: pass one name or a comma-separated list")
-    return names
-
-
-def parse_counts(value: str | None, max_boxes: int | None) -> tuple[int, ...]:
-    """Box counts from --boxes ('16', '4,8,16', '8-16') and --max-boxes."""
-    if max_boxes is not None and max_boxes < 1:
-        raise ShardwiseError(f"--max-boxes must be >= 1, got {max_boxes}")
-    if value is None:
-        return tuple(range(1, (max_boxes or DEFAULT_MAX_BOXES) + 1))
-    counts: set[int] = set()
-    for part in value.split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                counts.update(range(lo, hi + 1))
-            else:
-                counts.add(int(part))
-        except ValueError:
-            raise ShardwiseError(f"--boxes '{value}' must be counts like 16, 4,8,16 or 8-16") from None
-    if not counts or min(counts) < 1:
-        raise ShardwiseError(f"--boxes '{value}' must name counts >= 1")
-    if max_boxes is not None:
-        kept = {c for c in counts if c <= max_boxes}
-        if not kept:
-            raise ShardwiseError(f"--boxes {value} are all above --max-boxes {max_boxes}: raise --max-boxes or lower --boxes")
-        counts = kept
-    return tuple(sorted(counts))
-
-
-def build_request(
-    model: str | None = None, box: str | None = None, boxes: str | None = None, link: str | None = None,
-    quant: str | None = None, experts: str | None = None, budget: float | None = None,
-    max_watts: float | None = None, min_tok_per_s: float | None = None, context: int = 4096,
-    max_boxes: int | None = None, runtime: str = "vllm", spec_tokens: int = 0, acceptance: float | None = None,
-    workload: str | None = None, prefill: bool = False, prompt_tokens: int = 2048, list_prices: bool = False,
-    kv_dtype: str = "bf16", draft_model: str | None = None,
-):
-    """Resolve CLI inputs into a SweepRequest (one-line errors on bad input)."""
-    from shardwise.perf.pareto import SweepRequest
-    from shardwise.perf.profiles import get_profile
-    from shardwise.commands.plan import decode_inputs, resolve_draft
-    from shardwise.quant.formats import get_format
-    from shardwise.spec.hardware import get_box, get_link, load_catalog
-    from shardwise.spec.model import catalog_models, load_model
-
-    catalog = load_catalog()
-    models = _names(model, "model") or tuple(catalog_models())
-    specs = [load_model(m) for m in models]
-    box_objs = tuple(get_box(b) for b in (_names(box, "box") or tuple(catalog.boxes)))
-    link_objs = tuple(get_link(lk) for lk in (_names(link, "link") or tuple(catalog.links)))
-    quants = _names(quant, "quant")
-    for q in quants or ():
-        if q != "native":
-            get_format(q)
-    expert_formats = _names(experts, "experts")
-    for e in expert_formats or ():
-        get_format(e)
-    get_profile(runtime)
-    for name, value in (("budget", budget), ("max-watts", max_watts), ("min-tok-per-s", min_tok_per_s)):
-        if value is not None and value <= 0:
-            raise ShardwiseError(f"--{name} must be > 0, got {value:g}")
-    if context < 1:
-        raise ShardwiseError(f"--context must be >= 1 token, got {context}")
-    if prompt_tokens < 1:
-        raise ShardwiseError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    kv_bytes, acc = decode_inputs(kv_dtype, spec_tokens, acceptance, workload)
-    draft = resolve_draft(draft_model, specs, spec_tokens)
-    return SweepRequest(
-        models=models, boxes=box_objs, counts=parse_counts(boxes, max_boxes), links=link_objs, quants=quants,
-        experts=expert_formats, context_tokens=context, runtime=runtime, spec_tokens=spec_tokens, acceptance=acc,
-        draft=draft,
-        prefill=prefill, prompt_tokens=prompt_tokens, list_prices=list_prices, kv_bytes=kv_bytes,
-        budget_usd=budget, max_watts=max_watts, min_tok_per_s=min_tok_per_s,
-    )
 
 
 def parse_explain(value: str) -> tuple[str, int, str | None]:
@@ -124,7 +41,8 @@ def parse_explain(value: str) -> tuple[str, int, str | None]:
 
 def run(req, explain_targets: list[tuple[str, str, int, str | None]], show_progress: bool):
     """Run the sweep (with a rich progress bar when asked) and explain each target."""
-    from shardwise.perf.pareto import explain, run_sweep
+    from shardwise.perf.explain import explain
+    from shardwise.perf.sweep import run_sweep
 
     if show_progress:
         from rich.console import Console
@@ -146,7 +64,6 @@ def run(req, explain_targets: list[tuple[str, str, int, str | None]], show_progr
 
 def seed_target(req) -> list[tuple[str, str, int, str | None]]:
     """The seed's configuration, when the sweep covers it."""
-    from shardwise.commands.plan import SEED
     from shardwise.spec.hardware import get_link
 
     link = get_link(SEED["link"]).key
@@ -209,7 +126,7 @@ def render(result, req, explanations: list[str], limit: int) -> None:
         con.print(f"[dim]note: {note}[/]")
     con.print(
         f"[dim]runtime profile {req.runtime}; $ = boxes at the builder's price where known, else list "
-        f"(--list-prices), plus switches; W = loaded watts of boxes and switches; rules: shardwise.perf.pareto[/]"
+        f"(--list-prices), plus switches; W = loaded watts of boxes and switches; rules: shardwise.perf.sweep[/]"
     )
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from shardwise.perf import collectives
 
-RUNTIME_NAMES = {"ring": "ring", "recursive_doubling": "rd", "one_shot": "oneshot"}
-"""Planner cost-model names → ``runtime.comm`` names of the algorithms the runtime has."""
+RUNNABLE_FLAT = ("ring", "rd", "oneshot")
+"""Flat algorithms of ``collectives.ALLREDUCE_ALGORITHMS`` the runtime runs itself."""
 
 LOCAL_LINK = "loopback-tcp"
 REMOTE_LINK = "10gbe-tcp"
@@ -51,13 +51,12 @@ def choose_allreduce(
     With ``ranks_per_host`` < ``ranks`` and the ``intra`` (α, β) of the host-local link,
     the two-level algorithm competes too (α/β then describe the link between hosts).
     """
-    best, seconds = collectives.best_allreduce(n_bytes, ranks, alpha_s, beta_bytes_per_s)
-    if best not in RUNTIME_NAMES:
-        seconds, best = min(
-            (float(collectives.ALLREDUCE_ALGORITHMS[name](n_bytes, ranks, alpha_s, beta_bytes_per_s)), name)
-            for name in RUNTIME_NAMES
+    name, seconds = collectives.best_allreduce(n_bytes, ranks, alpha_s, beta_bytes_per_s)
+    if name not in RUNNABLE_FLAT:
+        seconds, name = min(
+            (float(collectives.ALLREDUCE_ALGORITHMS[a](n_bytes, ranks, alpha_s, beta_bytes_per_s)), a)
+            for a in RUNNABLE_FLAT
         )
-    name = RUNTIME_NAMES[best]
     if ranks_per_host and intra and 1 < ranks_per_host < ranks and ranks % ranks_per_host == 0:
         two = float(collectives.two_level_allreduce_s(
             n_bytes, ranks_per_host, ranks // ranks_per_host, intra[0], intra[1], alpha_s, beta_bytes_per_s

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shardwise.perf.decode import layer_costs, step_terms
-from shardwise.perf.estimate import _prefill, decode_speed, formats_bits, hardware_of
+from shardwise.perf.decode import layout_table, step_terms
+from shardwise.perf.estimate import decode_speed, formats_bits, hardware_of, prefill_speed
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.perf.measurements import ResolvedRow, read_measurements, resolve
 from shardwise.perf.profiles import RuntimeProfile, load_profiles
@@ -38,12 +38,11 @@ DEFAULT_CSV = Path(__file__).resolve().parents[3] / "data" / "measurements.csv"
 def _row_terms(row: ResolvedRow, profile: RuntimeProfile):
     """(terms of the step that yields tokens, tokens per step, network link?) for one row."""
     sc = scenario_of(row, profile)
-    bits = formats_bits(sc.formats)
     hw = hardware_of(sc.box, sc.link, sc.profile)
-    layers = layer_costs(sc.model, sc.plan, bits, sc.kv_bytes)
+    table = layout_table(sc.model, sc.plan, formats_bits(sc.formats), sc.kv_bytes)
     positions = sc.spec_tokens + 1
     tokens = tokens_per_step(sc.spec_tokens, sc.acceptance) if sc.spec_tokens else 1.0
-    terms = step_terms(sc.model, sc.plan, layers, bits, hw, sc.context_tokens, positions, allreduce=profile.allreduce)
+    terms = step_terms(sc.model, table, hw, sc.context_tokens, positions, allreduce=profile.allreduce)
     return terms, tokens, hw.network
 
 
@@ -78,9 +77,8 @@ def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfil
             errs = []
             for r in prefill_rows:
                 sc = replace(scenario_of(r, p), prompt_tokens=r.measurement.prompt_tokens)
-                bits = formats_bits(sc.formats)
-                layers = layer_costs(sc.model, sc.plan, bits, sc.kv_bytes)
-                pred = _prefill(sc, layers, bits, hardware_of(sc.box, sc.link, sc.profile))["tok_per_s"]
+                table = layout_table(sc.model, sc.plan, formats_bits(sc.formats), sc.kv_bytes)
+                pred = prefill_speed(sc, table, hardware_of(sc.box, sc.link, sc.profile))["tok_per_s"]
                 errs.append(ape(pred, r.measurement.prefill_tok_s))
             return statistics.median(errs)
 

@@ -25,10 +25,10 @@ Formulas (``n/β`` is the wire time of the whole message):
   ``α + (p−1)·n/β``.
 - tree: binary-tree reduce to a root, then binary-tree broadcast, whole vector each
   level: ``2·⌈log2 p⌉·(α + n/β)``.
-- two-level (hierarchical): ring reduce-scatter inside each host, an all-reduce across
-  hosts, ring all-gather inside each host (what NCCL does across nodes). The local
-  ranks all-reduce their ``n/g`` shards across hosts at the same time through the same
-  host link, so the inter-host phase costs one all-reduce of ``n`` bytes.
+- two-level (the runtime's ``two-level``): every rank of a host sends its vector to the host's
+  leader, the leaders all-reduce across hosts (ring or recursive doubling), each leader sends
+  the result back: ``2·(α_intra + (k−1)·n/β_intra)`` for ``k`` ranks per host, plus the
+  leaders' all-reduce over the inter-host link.
 - point-to-point: ``α + n/β``.
 - ring all-gather and ring reduce-scatter: ``(p−1)·α + (p−1)/p · n/β``.
 """
@@ -136,11 +136,31 @@ def ring_reduce_scatter_s(n_bytes, p, alpha_s, beta_bytes_per_s):
 
 ALLREDUCE_ALGORITHMS: dict[str, CostFn] = {
     "ring": ring_allreduce_s,
-    "recursive_doubling": recursive_doubling_allreduce_s,
-    "one_shot": one_shot_allreduce_s,
+    "rd": recursive_doubling_allreduce_s,
+    "oneshot": one_shot_allreduce_s,
     "tree": tree_allreduce_s,
 }
-"""Flat all-reduce algorithms by name; ``best_allreduce`` breaks ties in this order."""
+"""Flat all-reduce algorithms by the names the runtime (``runtime.comm``), the runtime profiles
+and the CLI use; ``best_allreduce`` breaks ties in this order. The runtime runs ring, rd and
+oneshot itself; tree is NCCL's."""
+
+RUNTIME_ALGORITHMS = ("ring", "rd", "oneshot", "two-level", "builtin")
+"""The runtime's all-reduce algorithms (``runtime.comm.ALLREDUCE_ALGORITHMS``)."""
+
+PLANNER_ALGORITHM = {"ring": "ring", "rd": "rd", "oneshot": "oneshot", "two-level": "ring", "builtin": "ring"}
+"""The flat formula the planner charges each runtime algorithm with (two-level on one host and
+the backend's builtin as a ring; a probe's per-call overhead absorbs the difference)."""
+
+
+def runtime_allreduce_s(name: str, n_bytes, p: int, alpha_s, beta_bytes_per_s, ranks_per_host: int | None = None):
+    """α-β seconds of the runtime's algorithm ``name`` over ``p`` ranks; two-level uses
+    ``ranks_per_host`` (default all on one host) with the same α/β inside and across hosts."""
+    if name == "two-level":
+        local = ranks_per_host or p
+        return two_level_allreduce_s(n_bytes, local, p // local, alpha_s, beta_bytes_per_s, alpha_s, beta_bytes_per_s)
+    if name not in PLANNER_ALGORITHM:
+        raise ShardwiseError(f"all-reduce '{name}' is unknown: use one of {', '.join(RUNTIME_ALGORITHMS)}")
+    return ALLREDUCE_ALGORITHMS[PLANNER_ALGORITHM[name]](n_bytes, p, alpha_s, beta_bytes_per_s)
 
 
 def best_allreduce(n_bytes, p, alpha_s, beta_bytes_per_s):
@@ -171,22 +191,18 @@ def two_level_allreduce_s(
     beta_intra_bytes_per_s,
     alpha_inter_s,
     beta_inter_bytes_per_s,
-    inter_algorithm: str = "best",
+    inter_algorithm: str = "ring",
 ):
-    """Hierarchical all-reduce seconds over ``ranks_per_host × hosts`` ranks.
+    """The runtime's two-level all-reduce over ``ranks_per_host × hosts`` ranks, seconds.
 
-    Ring reduce-scatter inside each host (intra α/β), all-reduce of ``n`` bytes across
-    hosts (inter α/β) with ``inter_algorithm`` (a name in ``ALLREDUCE_ALGORITHMS`` or
-    ``"best"``), then ring all-gather inside each host.
+    Reduce to each host's leader (``α_intra + (k−1)·n/β_intra``: the leader receives k−1
+    vectors), all-reduce of ``n`` bytes among the leaders with ``inter_algorithm`` ("ring" or
+    "rd", as ``runtime.comm.two_level_allreduce`` runs it), broadcast back (the same as the reduce).
     """
-    if inter_algorithm == "best":
-        across = best_allreduce(n_bytes, hosts, alpha_inter_s, beta_inter_bytes_per_s)[1]
-    elif inter_algorithm in ALLREDUCE_ALGORITHMS:
-        across = ALLREDUCE_ALGORITHMS[inter_algorithm](n_bytes, hosts, alpha_inter_s, beta_inter_bytes_per_s)
-    else:
-        known = ", ".join([*ALLREDUCE_ALGORITHMS, "best"])
-        raise ShardwiseError(f"inter_algorithm '{inter_algorithm}' is unknown: use one of {known}")
-    inside = ring_reduce_scatter_s(n_bytes, ranks_per_host, alpha_intra_s, beta_intra_bytes_per_s)
-    gather = ring_allgather_s(n_bytes, ranks_per_host, alpha_intra_s, beta_intra_bytes_per_s)
-    total = np.asarray(inside) + np.asarray(across) + np.asarray(gather)
+    if inter_algorithm not in ("ring", "rd"):
+        raise ShardwiseError(f"inter_algorithm '{inter_algorithm}' is unknown: use ring or rd")
+    across = ALLREDUCE_ALGORITHMS[inter_algorithm](n_bytes, hosts, alpha_inter_s, beta_inter_bytes_per_s)
+    k = np.asarray(ranks_per_host)
+    inside = np.where(k > 1, alpha_intra_s + (k - 1) * np.asarray(n_bytes, dtype=float) / beta_intra_bytes_per_s, 0.0)
+    total = 2 * inside + np.asarray(across)
     return float(total) if total.ndim == 0 else total

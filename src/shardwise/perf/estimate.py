@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardwise.perf.decode import Hardware, StepCost, layer_costs, step_cost
+from shardwise.perf import core
+from shardwise.perf.decode import Hardware, StepCost, apply_profile, layout_table, step_cost, step_terms
 from shardwise.perf.imbalance import load_percentiles
 from shardwise.perf.memory import memory_fit, total_weight_bytes
 from shardwise.perf.profiles import RuntimeProfile, message_latency_s
@@ -72,7 +73,7 @@ def ring_orders(sc: Scenario) -> dict | None:
     """Best, listed and worst ring orders on the cluster's cable graph for the decode message."""
     if sc.topology is None or sc.plan.tp < 2:
         return None
-    from shardwise.topology import best_ring_order, worst_ring_order
+    from shardwise.perf.ring_order import best_ring_order, worst_ring_order
 
     topo = sc.topology
     msg = sc.model.hidden_size * 2
@@ -130,9 +131,8 @@ def draft_step_cost(draft: ModelSpec, mem_bandwidth_bytes_per_s: float, peak_flo
     """One decode step of ``draft`` whole on one box (tp = 1: no collectives); ``kwargs`` are
     step_cost's profile factors."""
     hw = Hardware(mem_bandwidth_bytes_per_s, peak_flops, link_alpha_s=0.0, link_beta_bytes_per_s=1.0, network=False)
-    bits = formats_bits(draft.group_formats())
-    layers = layer_costs(draft, SINGLE_BOX, bits, kv_bytes)
-    return step_cost(draft, SINGLE_BOX, layers, bits, hw, context_tokens, 1, **kwargs)
+    table = layout_table(draft, SINGLE_BOX, formats_bits(draft.group_formats()), kv_bytes)
+    return step_cost(draft, table, hw, context_tokens, 1, **kwargs)
 
 
 def draft_step(sc: Scenario, hw: Hardware, **kwargs) -> StepCost | None:
@@ -143,25 +143,24 @@ def draft_step(sc: Scenario, hw: Hardware, **kwargs) -> StepCost | None:
                            **kwargs)
 
 
-def decode_speed(sc: Scenario, layers=None, hw: Hardware | None = None, draft: StepCost | None = None,
+def decode_speed(sc: Scenario, table=None, hw: Hardware | None = None, draft: StepCost | None = None,
                  **overrides) -> tuple[float, StepCost, StepCost, float]:
     """(tok/s, plain step, final step, tokens per final step) under the scenario's profile.
 
     With speculation the final step is the verify pass; a draft model adds ``spec_tokens``
     of its own decode steps to every verify step.
-    ``overrides`` replace profile factors (used by calibration); ``layers``, ``hw`` and the
-    draft model's step (``draft_step``) can be precomputed.
+    ``overrides`` replace profile factors (used by calibration); the one-layout ``table``
+    (``decode.layout_table``), ``hw`` and the draft model's step (``draft_step``) can be precomputed.
     """
-    bits = formats_bits(sc.formats)
     hw = hw or _hardware(sc, ring_orders(sc))
-    if layers is None:
-        layers = layer_costs(sc.model, sc.plan, bits, sc.kv_bytes)
+    if table is None:
+        table = layout_table(sc.model, sc.plan, formats_bits(sc.formats), sc.kv_bytes)
     kwargs = {**profile_kwargs(sc.profile), **overrides}
-    plain = step_cost(sc.model, sc.plan, layers, bits, hw, sc.context_tokens, 1, **kwargs)
+    plain = step_cost(sc.model, table, hw, sc.context_tokens, 1, **kwargs)
     if not sc.spec_tokens:
         return _tok(plain), plain, plain, 1.0
     tokens = tokens_per_step(sc.spec_tokens, sc.acceptance)
-    verify = step_cost(sc.model, sc.plan, layers, bits, hw, sc.context_tokens, sc.spec_tokens + 1, **kwargs)
+    verify = step_cost(sc.model, table, hw, sc.context_tokens, sc.spec_tokens + 1, **kwargs)
     draft = draft or draft_step(sc, hw, **kwargs)
     drafting_s = sc.spec_tokens * draft.total_s if draft is not None else 0.0
     return tokens / (verify.total_s + drafting_s), plain, verify, tokens
@@ -173,7 +172,7 @@ def estimate(sc: Scenario) -> dict:
     bits = formats_bits(sc.formats)
     rings = ring_orders(sc)
     hw = _hardware(sc, rings)
-    layers = layer_costs(m, plan, bits, sc.kv_bytes)
+    table = layout_table(m, plan, bits, sc.kv_bytes)
     ctx = sc.context_tokens
 
     # ---- the seed's arithmetic and the byte-exact bandwidth ceilings ----------------------
@@ -186,19 +185,16 @@ def estimate(sc: Scenario) -> dict:
     precision_tok = agg_bw / active_bytes
     stage_bw = plan.tp * hw.mem_bandwidth_bytes_per_s
 
-    common = dict(allreduce=prof.allreduce)
-    even = step_cost(m, plan, layers, bits, hw, ctx, 1, busiest_experts=False, include_compute=False, include_network=False, **common)
-    roof = step_cost(m, plan, layers, bits, hw, ctx, 1, include_compute=False, include_network=False, **common)
-    effic = step_cost(
-        m, plan, layers, bits, hw, ctx, 1, mem_efficiency=prof.mem_efficiency,
-        compute_efficiency=prof.compute_efficiency, include_network=False, **common,
-    )
-    net = step_cost(
-        m, plan, layers, bits, hw, ctx, 1, mem_efficiency=prof.mem_efficiency,
-        compute_efficiency=prof.compute_efficiency, collective_overhead_s=prof.collective_overhead_s, **common,
-    )
+    # The waterfall's steps: the same step's terms with one more effect switched on each time.
+    busiest = step_terms(m, table, hw, ctx, 1, allreduce=prof.allreduce)
+    spread = step_terms(m, table, hw, ctx, 1, allreduce=prof.allreduce, busiest_experts=False)
+    eff = (prof.mem_efficiency, prof.compute_efficiency)
+    even = apply_profile(spread, 1.0, 1.0, 0.0, 0.0, hw, include_compute=False, include_network=False)
+    roof = apply_profile(busiest, 1.0, 1.0, 0.0, 0.0, hw, include_compute=False, include_network=False)
+    effic = apply_profile(busiest, *eff, 0.0, 0.0, hw, include_network=False)
+    net = apply_profile(busiest, *eff, 0.0, prof.collective_overhead_s, hw)
     draft = draft_step(sc, hw, **profile_kwargs(prof)) if sc.spec_tokens else None
-    tok_per_s, plain, final, tokens = decode_speed(sc, layers, hw, draft)
+    tok_per_s, plain, final, tokens = decode_speed(sc, table, hw, draft)
 
     steps = [
         {"step": "seed arithmetic", "tok_per_s": naive_tok,
@@ -271,7 +267,7 @@ def estimate(sc: Scenario) -> dict:
 
     fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction,
                      draft_bytes(sc.draft, ctx, sc.kv_bytes))
-    prefill = _prefill(sc, layers, bits, hw)
+    prefill = prefill_speed(sc, table, hw)
     power = _power(sc, tok_per_s)
     cost = _cost(sc, tok_per_s)
     return {
@@ -325,39 +321,19 @@ def _formats_text(formats: dict[str, str], m: ModelSpec) -> str:
     return "; ".join(f"{f}: {', '.join(gs)}" for f, gs in by_fmt.items())
 
 
-def _prefill(sc: Scenario, layers, bits, hw: Hardware) -> dict:
-    """Prefill of ``prompt_tokens``: compute-bound matmuls, every local expert read once,
-    two all-reduces per layer of prompt × hidden × 2 bytes (link bandwidth matters here)."""
-    from shardwise.perf import collectives
-
-    m, plan, prof = sc.model, sc.plan, sc.profile
-    p_tok = sc.prompt_tokens
-    peak = hw.peak_flops * prof.compute_efficiency
-    bw = hw.mem_bandwidth_bytes_per_s * prof.mem_efficiency
-    local_experts = m.moe.num_experts // plan.ep if m.moe else 0
-    uses = p_tok * m.moe.top_k / plan.ep if m.moe else 0  # expert-token uses per rank
-    compute_s = memory_s = 0.0
-    for lc in layers:
-        flops = 2 * p_tok * lc.dense_numel + 2 * uses * lc.expert_numel * (1 if lc.expert_bytes else 0)
-        ctx = p_tok if lc.window is None else min(p_tok, lc.window)
-        flops += p_tok * (lc.attn_flops_per_ctx * ctx / 2 + lc.attn_flops_const)
-        nbytes = lc.dense_bytes + (local_experts * lc.expert_bytes if lc.expert_bytes else 0)
-        compute_s += max(flops / peak, nbytes / bw)
-        memory_s += nbytes / bw
-    head = 2 * p_tok * m.hidden_size * m.vocab_size / plan.tp
-    compute_s += head / peak
-    msg = p_tok * m.hidden_size * 2
-    comm_s = 0.0
-    per_call = prof.collective_overhead_s if hw.network else 0.0
-    if plan.tp > 1:
-        ring = float(collectives.ring_allreduce_s(msg, plan.tp, hw.link_alpha_s, hw.link_beta_bytes_per_s))
-        comm_s = 2 * m.num_layers * (ring + per_call)
-    if plan.pp > 1:
-        comm_s += (plan.pp - 1) * (float(collectives.point_to_point_s(msg, hw.link_alpha_s, hw.link_beta_bytes_per_s)) + per_call)
-    total = compute_s + comm_s + prof.step_overhead_s
+def prefill_speed(sc: Scenario, table: core.LayoutTable, hw: Hardware) -> dict:
+    """Prefill of ``prompt_tokens`` under the scenario's profile (``core.evaluate_prefill``, row 0)."""
+    prof = sc.profile
+    out = core.evaluate_prefill(
+        sc.model, table, 0, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, hw.link_alpha_s, hw.link_beta_bytes_per_s,
+        sc.prompt_tokens, link_network=hw.network, mem_efficiency=prof.mem_efficiency,
+        compute_efficiency=prof.compute_efficiency, step_overhead_s=prof.step_overhead_s,
+        collective_overhead_s=prof.collective_overhead_s, allreduce=prof.allreduce,
+    )
     return {
-        "prompt_tokens": p_tok, "tok_per_s": p_tok / total, "compute_s": compute_s, "collective_s": comm_s,
-        "bottleneck": "network bandwidth" if comm_s > compute_s else "compute",
+        "prompt_tokens": sc.prompt_tokens, "tok_per_s": float(out["tok_per_s"]), "compute_s": float(out["compute_s"]),
+        "collective_s": float(out["collective_s"]),
+        "bottleneck": core.PREFILL_BOTTLENECKS[int(out["bottleneck"])],
     }
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from shardwise.errors import ShardwiseError
 from shardwise.perf.speculative import WORKLOADS
 from shardwise.plan import ParallelPlan, default_plan, validate_plan
-from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec, load_model
+from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec
+from shardwise.spec.parse import load_model
 
 REQUIRED_COLUMNS = (
     "id", "model", "hardware", "num_devices", "interconnect", "software", "parallelism", "quant_format",

@@ -3,7 +3,8 @@ workspace, and an OS/runtime reserve.
 
 Reserve: a fraction of each box's memory is kept for the OS, the runtime and fragmentation
 (default 10%, the headroom vLLM leaves at its default ``gpu_memory_utilization = 0.9``).
-Workspace: activations and logits of one prefill chunk (2048 tokens) in fp32.
+Workspace: activations and logits of one prefill chunk (``core.PREFILL_CHUNK_TOKENS``) in fp32.
+Weights, cache and workspace per rank come from the cost core (``perf.core``).
 Replicated: bytes every box holds whole besides its shard (a speculative draft model's
 weights and cache: the runtime runs the drafter on every rank).
 """
@@ -13,11 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from shardwise.perf import core
 from shardwise.plan import ParallelPlan, default_plan, rank_param_counts, valid_tp_degrees
 from shardwise.spec.model import ModelSpec
 
 DEFAULT_RESERVE_FRACTION = 0.10
-PREFILL_CHUNK_TOKENS = 2048
 GB = 1e9
 
 
@@ -64,52 +67,31 @@ def rank_weight_bytes(model: ModelSpec, plan: ParallelPlan, formats_bits: dict[s
 
 
 def rank_cache_bytes(model: ModelSpec, plan: ParallelPlan, context_tokens: int, kv_bytes: float, rank: int) -> float:
-    """Cache bytes rank ``rank`` holds for one sequence of ``context_tokens``.
-
-    GQA heads split by TP (replicated when fewer KV heads than ranks); MLA's latent cache is
-    replicated on every TP rank; sliding layers cap at their window; linear layers hold a
-    constant fp32 state split by heads.
-    """
-    stage_layers = plan.stage_layers(model.num_layers, rank // plan.tp)
-    total = 0.0
-    for i in stage_layers:
-        layer = model.layers[i]
-        ctx = context_tokens if layer.window is None else min(context_tokens, layer.window)
-        if layer.attention in ("gqa", "sliding", "gated_attention"):
-            total += 2 * max(model.num_kv_heads // plan.tp, 1) * model.head_dim * kv_bytes * ctx
-        elif layer.attention in ("mla", "gated_mla"):
-            assert model.mla is not None
-            total += (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * kv_bytes * ctx
-        else:
-            la = model.linear_attention
-            assert la is not None
-            state = la.num_value_heads * la.key_head_dim * la.value_head_dim
-            conv = (la.conv_kernel - 1) * (2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim)
-            total += (state + conv) * 4.0 / plan.tp
-    return total
+    """Cache bytes rank ``rank`` holds for one sequence of ``context_tokens`` (the mixer table's
+    figures per layer of its stage: see ``shardwise.spec.mixers``)."""
+    table = core.build_layout_table(model, [plan], {g: 0.0 for g in model.params_by_group}, kv_bytes)
+    return float(core.stage_bytes(table, context_tokens)[1][0, rank // plan.tp])
 
 
-def workspace_bytes(model: ModelSpec, plan: ParallelPlan) -> float:
-    """Activation and logits buffers for one prefill chunk (fp32), per rank."""
-    width = 8 * model.hidden_size + model.vocab_size // plan.tp
-    return PREFILL_CHUNK_TOKENS * width * 4.0
+def _fullest_rank(table: core.LayoutTable, context_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, cache) of each layout's fullest rank (bytes, per layout)."""
+    weights, cache = core.stage_bytes(table, context_tokens)
+    stage = np.argmax(weights + cache, axis=1)[:, None]
+    return np.take_along_axis(weights, stage, 1)[:, 0], np.take_along_axis(cache, stage, 1)[:, 0]
 
 
-def _fullest_rank(model: ModelSpec, plan: ParallelPlan, formats_bits, context_tokens, kv_bytes) -> tuple[float, float]:
-    best = (0.0, 0.0)
-    for stage in range(plan.pp):
-        rank = stage * plan.tp
-        w = rank_weight_bytes(model, plan, formats_bits, rank)
-        kv = rank_cache_bytes(model, plan, context_tokens, kv_bytes, rank)
-        if w + kv > sum(best):
-            best = (w, kv)
-    return best
-
-
-def fits(model, plan, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction, replicated_bytes=0.0) -> bool:
-    """True when the fullest rank's weights, cache, workspace, reserve and replicated bytes fit in ``box_bytes``."""
-    w, kv = _fullest_rank(model, plan, formats_bits, context_tokens, kv_bytes)
-    return w + kv + workspace_bytes(model, plan) + reserve_fraction * box_bytes + replicated_bytes <= box_bytes
+def _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
+                         replicated_bytes, lowest: int, highest: int) -> int | None:
+    """Smallest box count in [lowest, highest] whose default layout fits, all counts priced at once."""
+    tps = valid_tp_degrees(model)
+    counts = [n for n in range(lowest, highest + 1) if any(n % t == 0 for t in tps)]
+    if not counts:
+        return None
+    table = core.build_layout_table(model, [default_plan(model, n) for n in counts], formats_bits, kv_bytes)
+    w, kv = _fullest_rank(table, context_tokens)
+    used = w + kv + table.counts.workspace_bytes + reserve_fraction * box_bytes + replicated_bytes
+    fitting = np.flatnonzero(used <= box_bytes)
+    return counts[int(fitting[0])] if len(fitting) else None
 
 
 def memory_fit(
@@ -124,8 +106,9 @@ def memory_fit(
 ) -> MemoryFit:
     """Per-box memory of ``plan`` and the minimum box counts for this model on this box
     (``replicated_bytes``: held whole on every box, e.g. a draft model)."""
-    w, kv = _fullest_rank(model, plan, formats_bits, context_tokens, kv_bytes)
-    work = workspace_bytes(model, plan)
+    table = core.build_layout_table(model, [plan], formats_bits, kv_bytes)
+    w, kv = (float(x[0]) for x in _fullest_rank(table, context_tokens))
+    work = float(table.counts.workspace_bytes[0])
     reserve = reserve_fraction * box_bytes
     total = total_weight_bytes(model, formats_bits)
     room = box_bytes - replicated_bytes
@@ -133,15 +116,8 @@ def memory_fit(
     whole_cache = model.cache_bytes(context_tokens, kv_bytes)
     usable = room - reserve - work
     min_boxes = math.ceil((total + whole_cache) / usable) if usable > 0 else 0
-    layout_count = None
-    limit = max(4 * max(min_boxes, 1), 64)
-    for n in range(max(min_boxes, 1), limit + 1):
-        if not any(n % t == 0 for t in valid_tp_degrees(model)):
-            continue
-        candidate = default_plan(model, n)
-        if fits(model, candidate, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction, replicated_bytes):
-            layout_count = n
-            break
+    layout_count = _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
+                                        replicated_bytes, max(min_boxes, 1), max(4 * max(min_boxes, 1), 64))
     return MemoryFit(
         box_bytes=box_bytes, weights_bytes=w, kv_bytes=kv, workspace_bytes=work, reserve_bytes=reserve,
         replicated_bytes=replicated_bytes, total_weight_bytes=total, min_boxes_weights=min_weights,

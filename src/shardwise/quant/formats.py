@@ -8,7 +8,7 @@ codec modules' constants, so the planner and the codecs cannot disagree.
 from dataclasses import dataclass
 
 from shardwise.errors import unknown_name
-from shardwise.quant import mxfp4, nvfp4
+from shardwise.quant import mxfp4_codec, nvfp4_codec
 
 
 @dataclass(frozen=True)
@@ -57,18 +57,18 @@ _FORMATS = (
     ),
     QuantFormat(
         "mxfp4",
-        mxfp4.ELEMENT_BITS + mxfp4.SCALE_BITS / mxfp4.BLOCK_SIZE,
-        mxfp4.BLOCK_SIZE,
-        mxfp4.SCALE_BITS,
-        f"{mxfp4.BLOCK_SIZE} FP4 E2M1 elements share one E8M0 scale byte",
+        mxfp4_codec.ELEMENT_BITS + mxfp4_codec.SCALE_BITS / mxfp4_codec.BLOCK_SIZE,
+        mxfp4_codec.BLOCK_SIZE,
+        mxfp4_codec.SCALE_BITS,
+        f"{mxfp4_codec.BLOCK_SIZE} FP4 E2M1 elements share one E8M0 scale byte",
         _OCP_MX,
     ),
     QuantFormat(
         "nvfp4",
-        nvfp4.ELEMENT_BITS + nvfp4.SCALE_BITS / nvfp4.BLOCK_SIZE,
-        nvfp4.BLOCK_SIZE,
-        nvfp4.SCALE_BITS,
-        f"{nvfp4.BLOCK_SIZE} FP4 E2M1 elements share one FP8 E4M3 scale, plus one {nvfp4.GLOBAL_SCALE_BITS}-bit "
+        nvfp4_codec.ELEMENT_BITS + nvfp4_codec.SCALE_BITS / nvfp4_codec.BLOCK_SIZE,
+        nvfp4_codec.BLOCK_SIZE,
+        nvfp4_codec.SCALE_BITS,
+        f"{nvfp4_codec.BLOCK_SIZE} FP4 E2M1 elements share one FP8 E4M3 scale, plus one {nvfp4_codec.GLOBAL_SCALE_BITS}-bit "
         "fp32 scale per tensor (negligible per weight)",
         "NVIDIA, Introducing NVFP4 for Efficient and Accurate Low-Precision Inference "
         "(https://developer.nvidia.com/blog/introducing-nvfp4-for-efficient-and-accurate-low-precision-inference/); "

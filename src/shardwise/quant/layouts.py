@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant.mxfp4 import BLOCK_SIZE
+from shardwise.quant.mxfp4_codec import BLOCK_SIZE
 
 BYTES_PER_BLOCK = BLOCK_SIZE // 2
 """Packed bytes per MXFP4 block (two 4-bit elements per byte)."""

@@ -139,10 +139,9 @@ def build_report(inputs: Inputs, subtitle: str) -> tuple[str, list[charts.Chart]
 
 def default_inputs(max_boxes: int = 32) -> Inputs:
     """The seed's case: its plan (``shardwise plan`` defaults) and a sweep of its model around it."""
-    from shardwise.commands.plan import SEED, build_scenario
-    from shardwise.commands.sweep import build_request
     from shardwise.perf.estimate import estimate
-    from shardwise.perf.pareto import run_sweep
+    from shardwise.perf.sweep import run_sweep
+    from shardwise.perf.scenario import SEED, build_request, build_scenario
 
     sc = build_scenario(SEED["model"], SEED["box"], SEED["boxes"], SEED["link"], None, None, None, 4096, 2048, 0,
                         None, None, "vllm", None, None, None, None, "bf16")

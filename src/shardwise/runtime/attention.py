@@ -3,7 +3,8 @@
 - ``GQAttention``: Llama / Qwen3-MoE / gpt-oss attention. q, k, v are column-parallel by
   heads (KV heads replicate when there are fewer than TP ranks), o_proj row-parallel.
   Options: per-head q/k RMSNorm (Qwen3), biases and attention sinks (gpt-oss), a sliding
-  window (gpt-oss's alternating layers).
+  window (gpt-oss's alternating layers), whose cache is a ring of
+  ``sliding_cache_len(max_seq_len, window, max_step_tokens)`` positions.
 - ``MLAttention``: DeepSeek-V3 multi-head latent attention. q_a and kv_a are replicated,
   q_b and kv_b column-parallel by heads, o_proj row-parallel; the cache holds the latent
   (kv_lora_rank normalised + qk_rope_head_dim rotated) per token, replicated on every rank.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.errors import ShardwiseError
 from shardwise.runtime.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -29,9 +31,24 @@ from shardwise.runtime.layers import (
 from shardwise.spec.model import TensorSpec
 
 
-def attention_mask(q_pos: torch.Tensor, length: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [T, length]: query at position p sees keys j <= p (and j > p - window)."""
-    k_pos = torch.arange(length)
+def sliding_cache_len(max_seq_len: int, window: int, max_step_tokens: int = 1) -> int:
+    """Positions a sliding-window layer's ring cache holds per sequence:
+    ``min(max_seq_len, window + max_step_tokens - 1)``.
+
+    A call at ``start`` reads the ``window - 1`` positions before it from the ring. Positions
+    that a later call may roll back (at most ``max_step_tokens - 1`` past the restart point:
+    the rejected drafts of a verify pass, or the drafts a draft model wrote one by one) must
+    not overwrite those, so the ring holds ``window - 1 + max_step_tokens - 1`` positions at
+    least; one more keeps it at exactly ``window`` for plain decoding."""
+    return min(max_seq_len, window + max_step_tokens - 1)
+
+
+def attention_mask(
+    q_pos: torch.Tensor, length: int, window: int | None, dtype: torch.dtype, key_start: int = 0
+) -> torch.Tensor:
+    """Additive mask [T, length] over keys at positions ``key_start..key_start+length-1``:
+    query at position p sees keys j <= p (and j > p - window)."""
+    k_pos = torch.arange(key_start, key_start + length)
     allowed = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - window
@@ -67,8 +84,10 @@ def attend(
     window: int | None,
     scaling: float,
     sinks: torch.Tensor | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of queries at ``positions`` over the cached keys/values [B, H, L, d].
+    """Causal attention of queries at ``positions`` over keys/values [B, H, L, d] at
+    positions ``key_start..key_start+L-1``.
 
     A prefill (first position 0) or a single-token step attends in one call. A multi-token
     pass past position 0 — a speculative verify pass — attends **row by row**, each query
@@ -76,21 +95,31 @@ def attend(
     row runs the same kernel shapes as that step and gives bit-identical output (a wider
     softmax or matmul changes the summation order). Keys past a row's position — rejected
     drafts of an earlier pass included — are never read, so rolling the static cache back
-    only needs the next pass to start at the accepted length.
+    only needs the next pass to start at the accepted length. Sliding layers pass only the
+    keys of the window (``key_start`` = first position of the first query's window), and a
+    row reads only its own window: the keys a single-token step at its position gets.
     """
     if positions.numel() == 1 or int(positions[0]) == 0:
-        mask = attention_mask(positions, k.shape[2], window, q.dtype)
+        mask = attention_mask(positions, k.shape[2], window, q.dtype, key_start)
         return _attend(q, k, v, mask, scaling, sinks)
     rows = []
     for i in range(positions.numel()):
-        end = int(positions[i]) + 1
-        mask = attention_mask(positions[i : i + 1], end, window, q.dtype)
-        rows.append(_attend(q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], mask, scaling, sinks))
+        p = int(positions[i])
+        end = p + 1 - key_start
+        begin = max(0, p - window + 1 - key_start) if window is not None else 0
+        mask = attention_mask(positions[i : i + 1], end - begin, window, q.dtype, key_start + begin)
+        rows.append(_attend(q[:, :, i : i + 1], k[:, :, begin:end], v[:, :, begin:end], mask, scaling, sinks))
     return torch.cat(rows, dim=1)
 
 
 class GQAttention(nn.Module):
-    """Grouped-query attention over this rank's heads, static KV cache [B, kv_local, S, d]."""
+    """Grouped-query attention over this rank's heads, static KV cache [B, kv_local, S, d].
+
+    Full attention: S = ``max_seq_len``, position p in slot p. Sliding window: a ring of
+    S = ``sliding_cache_len(max_seq_len, window, max_step_tokens)`` slots, position p in
+    slot p mod S; a call at ``start`` attends over the ring's ``window - 1`` positions before
+    ``start`` followed by its own new keys, then writes its last (up to S) positions.
+    """
 
     def __init__(
         self,
@@ -103,6 +132,7 @@ class GQAttention(nn.Module):
         max_seq_len: int,
         max_batch: int = 1,
         window: int | None = None,
+        max_step_tokens: int = 1,
     ):
         super().__init__()
         t = tensors
@@ -119,7 +149,10 @@ class GQAttention(nn.Module):
         self.groups = self.heads // self.kv_heads
         self.scaling = head_dim**-0.5
         self.window = window
-        cache_shape = (max_batch, self.kv_heads, max_seq_len, head_dim)
+        self.cache_len = max_seq_len if window is None else sliding_cache_len(max_seq_len, window, max_step_tokens)
+        # sliding ring: positions low..written-1 are held in their slots (the rest are stale)
+        self.low = self.written = 0
+        cache_shape = (max_batch, self.kv_heads, self.cache_len, head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
 
@@ -134,12 +167,39 @@ class GQAttention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         start, end = int(positions[0]), int(positions[-1]) + 1
+        if self.window is not None:
+            return self.o_proj(self._sliding(q, k, v, positions, b, start, end))
         self.k_cache[:b, :, start:end] = k
         self.v_cache[:b, :, start:end] = v
         keys = self.k_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
         values = self.v_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
         out = attend(q, keys, values, positions, self.window, self.scaling, self.sinks)
         return self.o_proj(out)
+
+    def _sliding(self, q, k, v, positions, b: int, start: int, end: int) -> torch.Tensor:
+        """Attention over the ring's window before ``start`` plus this call's keys; then the
+        call's last ``cache_len`` positions go into the ring."""
+        size, window = self.cache_len, self.window
+        first = max(0, start - window + 1)  # first key position the first query sees
+        if first < start and first < self.low and start <= self.written:
+            raise ShardwiseError(
+                f"the sliding-window cache of {size} positions no longer holds position {first} "
+                f"(a pass at {start} after positions up to {self.written - 1}): build the model with a "
+                "larger max_step_tokens"
+            )
+        device = self.k_cache.device
+        slots = torch.arange(first, start, device=device) % size
+        keys = torch.cat([self.k_cache[:b, :, slots], k], dim=2)
+        values = torch.cat([self.v_cache[:b, :, slots], v], dim=2)
+        keep = min(end - start, size)
+        slots = torch.arange(end - keep, end, device=device) % size
+        self.k_cache[:b, :, slots] = k[:, :, -keep:]
+        self.v_cache[:b, :, slots] = v[:, :, -keep:]
+        held = min(self.low, start) if start <= self.written else start
+        self.low, self.written = max(held, end - size), end
+        keys = keys.repeat_interleave(self.groups, dim=1)
+        values = values.repeat_interleave(self.groups, dim=1)
+        return attend(q, keys, values, positions, window, self.scaling, self.sinks, key_start=first)
 
 
 class MLAttention(nn.Module):

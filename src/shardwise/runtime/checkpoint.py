@@ -7,7 +7,7 @@ and writes ``config.json``, ``model.safetensors`` (random weights, std 0.02 like
 norms 1) under the names and layouts ``save_pretrained`` uses, and a byte-level BPE
 ``tokenizer.json`` trained on a short built-in text so text prompts work.
 
-``quant="mxfp4"`` writes the experts in MXFP4 instead, through ``runtime.quantize``: the
+``quant="mxfp4"`` writes the experts in MXFP4 instead, through ``runtime.quantize_checkpoint``: the
 gpt-oss layout (``*_blocks`` / ``*_scales``) for gpt_oss, compressed-tensors
 ``mxfp4-pack-quantized`` for the others. ``overrides`` replaces config fields after
 shrinking (e.g. a wider expert ``intermediate_size`` so experts split into whole
@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from shardwise.errors import ShardwiseError, unknown_name
-from shardwise.spec.model import NORM, catalog_models, parse_config
+from shardwise.spec.model import NORM
+from shardwise.spec.parse import catalog_models, parse_config
 
 SCALES = ("tiny",)
 DEFAULT_MODEL = "qwen3-30b-a3b"
@@ -143,7 +144,7 @@ def make_checkpoint(
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
     if quant is not None:
-        from shardwise.runtime.quantize import quantize_checkpoint
+        from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
 
         try:
             quantize_checkpoint(out, target, quant, experts_only=True, compare=False)

@@ -101,6 +101,7 @@ class DraftModel(Drafter):
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         from shardwise.runtime.generate import top_p_filter
 
+        self.model.check_step_tokens(k)  # its drafts past the accepted ones are rolled back
         hidden = self.model(torch.tensor([list(context[self.length :])]), self.length)
         tokens, probs = [], []
         for j in range(k):

@@ -192,3 +192,18 @@ def encode_prompt(folder: str | Path, text: str) -> list[int]:
     if not ids:
         raise ShardwiseError("the prompt text encodes to no tokens: pass a longer --prompt")
     return ids
+
+
+DEFAULT_PROMPT = "Hello world"
+"""Prompt text ``shardwise run`` and ``shardwise bench`` encode when given no prompt."""
+
+
+def parse_prompt_ids(text: str) -> tuple[int, ...]:
+    """Prompt token ids from ``--prompt-ids`` text like ``1,2,3`` (one-line errors)."""
+    try:
+        ids = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ShardwiseError(f"--prompt-ids '{text}' must be comma-separated integers like 1,2,3") from None
+    if not ids:
+        raise ShardwiseError("--prompt-ids is empty: pass comma-separated integers like 1,2,3")
+    return ids

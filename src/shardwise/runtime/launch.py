@@ -1,25 +1,19 @@
-"""Start and supervise the ranks of a run.
+"""Start and supervise the ranks of a run on this machine.
 
-Two ways in:
+``launch_local(fn, world_size)`` starts ``world_size`` processes on this machine
+(spawn, not fork, so no torch state is inherited), each joins an ``env://``
+rendezvous bound to loopback and runs ``fn(rank, world_size, *args)``; the parent
+collects the per-rank return values. It supervises them: when one rank raises, exits
+or is killed, the launcher tells every other rank which rank failed (each prints
+``[shardwise rank R] stopping: rank F of N failed: …`` and exits 1), stops whoever is
+still running after a short grace, and raises ``RankFailure`` naming the rank that
+went first. Ranks name their OS thread ``shardwise-rR`` (``ps``, ``/proc/PID/comm``).
+Processes started by ``torchrun`` across hosts join through
+``runtime.rendezvous.init_from_env`` instead (which the launched ranks call too).
 
-- ``launch_local(fn, world_size)`` starts ``world_size`` processes on this machine
-  (spawn, not fork, so no torch state is inherited), each joins an ``env://``
-  rendezvous bound to loopback and runs ``fn(rank, world_size, *args)``; the parent
-  collects the per-rank return values. It supervises them: when one rank raises, exits
-  or is killed, the launcher tells every other rank which rank failed (each prints
-  ``[shardwise rank R] stopping: rank F of N failed: …`` and exits 1), stops whoever is
-  still running after a short grace, and raises ``RankFailure`` naming the rank that
-  went first. Ranks name their OS thread ``shardwise-rR`` (``ps``, ``/proc/PID/comm``).
-- ``init_from_env(backend)`` is for processes started by ``torchrun`` across hosts
-  (``--nnodes N --node-rank I --master-addr HOST --master-port PORT``), which exports
-  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
-
-Every process group gets a finite ``timeout`` so a collective whose peer vanished
-without closing its sockets fails after ``timeout_s`` instead of hanging forever; a
-lost TCP connection (a peer process died) fails at once. Each launched rank also runs a
-watchdog thread that exits the rank when its parent (the launcher) disappears, so a
-killed launcher does not leave ranks behind, and that carries the launcher's verdict: a
-rank blocked in a collective (or busy) when a peer dies is told which rank failed, so
+Each launched rank also runs a watchdog thread that exits the rank when its parent (the
+launcher) disappears, so a killed launcher does not leave ranks behind, and that carries
+the launcher's verdict: a rank blocked in a collective (or busy) when a peer dies is told which rank failed, so
 its message names it; a rank whose collective failed first waits up to
 ``_VERDICT_WAIT_S`` for that verdict before reporting the bare communication error.
 """
@@ -27,12 +21,10 @@ its message names it; a rank whose collective failed first waits up to
 from __future__ import annotations
 
 import ctypes
-import datetime
 import ipaddress
 import multiprocessing
 import os
 import pickle
-import re
 import signal
 import socket
 import sys
@@ -40,7 +32,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
 from typing import Any
@@ -49,19 +40,15 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
-
-__all__ = ["DEFAULT_TIMEOUT_S", "RankContext", "RankFailure", "init_from_env", "launch_local"]
-
 from shardwise.runtime import DEFAULT_TIMEOUT_S  # process-group timeout (s) for rendezvous and collectives
+from shardwise.runtime.rendezvous import check_backend, init_from_env, one_line
 
-_BACKENDS = ("gloo", "nccl")
-_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+__all__ = ["RankFailure", "launch_local"]
+
 _GRACE_S = 2.0  # after the first failure, time (s) for the other ranks to report and exit on their own
 _VERDICT_WAIT_S = 2.0  # a rank whose collective failed waits this long (s) to learn which peer failed
 _TERM_WAIT_S = 3.0  # time (s) between SIGTERM and SIGKILL when stopping a rank
 _WATCHDOG_PERIOD_S = 0.5  # how often (s) a rank checks that its launcher is still alive
-_TEXT_LIMIT = 300  # characters kept of one rank's error text
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*:\d+\]\s*")  # "[…/pair.cc:553] " in gloo messages
 
 
 class RankFailure(ShardwiseError):
@@ -76,98 +63,6 @@ class RankFailure(ShardwiseError):
         super().__init__(message)
         self.rank = rank
         self.exit_codes = exit_codes
-
-
-@dataclass(frozen=True)
-class RankContext:
-    """Who this process is in the run, handed to model and runtime code.
-
-    ``local_rank`` is the rank's index on its host (selects the GPU under NCCL) and
-    ``device`` the torch device its tensors live on (``cuda:local_rank`` for NCCL, CPU
-    for gloo).
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: torch.device
-
-    @classmethod
-    def current(cls) -> RankContext:
-        """The context of this process; needs an initialised default process group."""
-        if not dist.is_initialized():
-            raise ShardwiseError(
-                "no process group: call init_from_env() or run under launch_local() first"
-            )
-        backend = str(dist.get_backend())
-        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        return cls(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
-
-
-def _one_line(exc: BaseException) -> str:
-    """``Type: first line of the message``, cut to a readable length."""
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {_SOURCE_PREFIX.sub('', lines[0])}" if lines else type(exc).__name__
-    return text if len(text) <= _TEXT_LIMIT else text[: _TEXT_LIMIT - 1] + "…"
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in _BACKENDS:
-        raise ShardwiseError(f"unknown backend '{backend}': use one of {', '.join(_BACKENDS)}")
-
-
-def init_from_env(backend: str = "gloo", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
-    """Join the process group described by torchrun's environment; returns (rank, world_size).
-
-    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, rendezvouses over
-    ``env://`` with a ``timeout_s`` (s) limit on the rendezvous and on every later
-    collective, and under ``nccl`` selects GPU ``LOCAL_RANK`` first. Returns the current
-    (rank, world_size) if a process group already exists.
-    """
-    _check_backend(backend)
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    missing = [name for name in _ENV_VARS if not os.environ.get(name)]
-    if missing:
-        raise ShardwiseError(
-            f"missing environment variable(s) {', '.join(missing)}: start with torchrun "
-            "(--nnodes N --node-rank I --master-addr HOST --master-port PORT) or launch_local()"
-        )
-    try:
-        rank, world_size, local_rank, port = (
-            int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-        )
-    except ValueError:
-        values = ", ".join(f"{name}={os.environ[name]!r}" for name in _ENV_VARS if name != "MASTER_ADDR")
-        raise ShardwiseError(f"non-integer launch environment: {values}") from None
-    if not 0 <= rank < world_size:
-        raise ShardwiseError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
-    addr = os.environ["MASTER_ADDR"]
-    device_id = None
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ShardwiseError("backend nccl needs CUDA GPUs but torch sees none: use backend gloo")
-        if local_rank >= torch.cuda.device_count():
-            raise ShardwiseError(
-                f"LOCAL_RANK={local_rank} but this host has {torch.cuda.device_count()} GPU(s)"
-            )
-        torch.cuda.set_device(local_rank)
-        device_id = torch.device("cuda", local_rank)
-    try:
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device_id,
-        )
-    except (RuntimeError, OSError, ValueError) as exc:  # dist.DistError is a RuntimeError
-        raise ShardwiseError(
-            f"rank {rank} of {world_size} could not rendezvous via master {addr}:{port} "
-            f"({backend}) within {timeout_s:g} s: {_one_line(exc)}"
-        ) from exc
-    return rank, world_size
 
 
 # --------------------------------------------------------------------------- inside a rank
@@ -250,7 +145,7 @@ def _rank_main(
         comm = _is_comm_error(exc)
         if comm:  # most likely a peer died: the watchdog exits this rank if the launcher says which
             time.sleep(_VERDICT_WAIT_S)
-        text = _one_line(exc)
+        text = one_line(exc)
         _report_and_exit(conn, ("error", "comm" if comm else "own", text),
                          f"[shardwise rank {rank}] {traceback.format_exc()}")
     conn.close()
@@ -444,7 +339,7 @@ def launch_local(
     with its exception text or exit code; the rank's traceback goes to stderr. The same
     happens, naming no rank, when ``run_timeout_s`` (s, None for no limit) elapses.
     """
-    _check_backend(backend)
+    check_backend(backend)
     if world_size < 1:
         raise ShardwiseError(f"world_size must be at least 1, got {world_size}")
     port = master_port if master_port is not None else _free_port(master_addr)
@@ -480,7 +375,7 @@ def launch_local(
             except (pickle.PicklingError, AttributeError, TypeError) as exc:
                 raise ShardwiseError(
                     f"cannot send fn/args to the ranks (use a module-level function and "
-                    f"picklable args): {_one_line(exc)}"
+                    f"picklable args): {one_line(exc)}"
                 ) from exc
             finally:
                 writer.close()

@@ -142,18 +142,49 @@ class ReplicatedLinear(_ShardedLinear):
     """``y = x Wᵀ (+ b)`` with the whole weight on every rank (MLA's q_a / kv_a, routers)."""
 
 
+def vocab_rows(vocab: int, tp: int) -> int:
+    """Rows of the embedding / LM head each of ``tp`` ranks holds: ``ceil(vocab / tp)``.
+
+    Rank r holds ids ``[r·rows, min((r+1)·rows, vocab))``; when ``tp`` does not divide the
+    vocabulary the last rank(s) pad their slice with zero rows that no id maps to (vLLM's
+    VocabParallelEmbedding / ParallelLMHead)."""
+    return -(-vocab // tp)
+
+
+def vocab_span(vocab: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """(start, stop) of the real vocabulary ids tensor rank ``tp_rank`` holds (possibly empty)."""
+    rows = vocab_rows(vocab, tp)
+    start = min(tp_rank * rows, vocab)
+    return start, min(start + rows, vocab)
+
+
+def _vocab_param(weight: TensorSpec, shard: Shard, dtype: torch.dtype) -> tuple[nn.Parameter, int, int, bool]:
+    """(parameter, first id, stop id, split) of this rank's vocabulary rows: ``vocab_rows``
+    rows (zero-padded past ``stop``) when split over TP, the whole table otherwise."""
+    split = shard.tp > 1 and weight.tp_dim is not None
+    if not split:
+        return shard_param(weight, shard, dtype), 0, weight.shape[0], False
+    assert weight.tp_dim == 0, f"{weight.name}: vocabulary rows must be split on dim 0"
+    vocab = weight.shape[0]
+    start, stop = vocab_span(vocab, shard.tp, shard.tp_rank)
+    p = nn.Parameter(torch.zeros((vocab_rows(vocab, shard.tp), *weight.shape[1:]), dtype=dtype), requires_grad=False)
+    p.spec = weight  # type: ignore[attr-defined]
+    p.expert = None  # type: ignore[attr-defined]
+    p.rows = (start, stop)  # type: ignore[attr-defined]  # the loader reads only these rows
+    return p, start, stop, True
+
+
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose vocabulary rows are split over TP ranks.
+    """Embedding whose vocabulary rows are split over TP ranks (``vocab_rows`` per rank).
 
     Each rank looks up the ids that fall in its row range and writes zeros for the rest;
     one all-reduce adds the ranks' rows (one non-zero term per element, so the sum is exact).
+    Padding rows (past the vocabulary, on the last rank) are never looked up.
     """
 
     def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype):
         super().__init__()
-        self.weight = shard_param(weight, shard, dtype)
-        self.start, self.stop = shard.span(weight) if weight.tp_dim is not None else (0, weight.shape[0])
-        self.split = shard.tp > 1 and weight.tp_dim is not None
+        self.weight, self.start, self.stop, self.split = _vocab_param(weight, shard, dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.split:
@@ -167,24 +198,30 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelLMHead(nn.Module):
     """LM head with vocabulary rows split over TP ranks (or sharing the tied embedding).
 
-    ``local_logits`` gives this rank's vocabulary slice; ``greedy`` all-gathers only one
-    (value, index) pair per rank; ``logits`` all-gathers the full vocabulary (sampling,
-    tests).
+    ``local_logits`` gives this rank's vocabulary slice (``vocab_rows`` columns, the padding
+    ones -inf); ``greedy`` all-gathers only one (value, index) pair per rank and never picks
+    a padding row; ``logits`` all-gathers the full vocabulary and returns exactly
+    ``vocab_size`` columns (sampling, tests).
     """
 
     def __init__(self, weight: TensorSpec | None, shard: Shard, dtype: torch.dtype, tied: VocabParallelEmbedding | None = None):
         super().__init__()
         if weight is not None:
-            self.weight = shard_param(weight, shard, dtype)
-            self.start, _ = shard.span(weight)
-            self.split = shard.tp > 1
+            self.weight, self.start, self.stop, self.split = _vocab_param(weight, shard, dtype)
+            self.vocab = weight.shape[0]
         else:
             assert tied is not None
             self.weight = tied.weight  # tied embeddings: the same parameter, counted once
-            self.start, self.split = tied.start, tied.split
+            self.start, self.stop, self.split = tied.start, tied.stop, tied.split
+            self.vocab = tied.weight.spec.shape[0]
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        """Logits of this rank's rows ``[..., vocab_rows]``; padding rows are -inf."""
+        local = F.linear(hidden, self.weight)
+        valid = self.stop - self.start
+        if valid < local.shape[-1]:
+            local[..., valid:] = float("-inf")
+        return local
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[..., vocab]`` on every rank."""
@@ -193,12 +230,12 @@ class VocabParallelLMHead(nn.Module):
             return local
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, local)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1)[..., : self.vocab]  # rank r's rows start at r·vocab_rows
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Argmax token ids ``[...]`` over the whole vocabulary (the lowest id on ties)."""
         local = self.local_logits(hidden)
-        value, index = local.max(dim=-1)
+        value, index = local.max(dim=-1)  # a padding row (-inf) only wins on a rank without real rows
         if not self.split:
             return index
         pair = torch.stack([value.float(), (index + self.start).float()], dim=-1).contiguous()

@@ -15,7 +15,7 @@ On-disk layouts handled for routed experts:
   the ModelSpec's (out, in) layout.
 
 MXFP4 checkpoints (gpt-oss ``*_blocks`` / ``*_scales``, compressed-tensors
-``weight_packed`` / ``weight_scale``; see ``runtime.quantized``): a packed parameter
+``weight_packed`` / ``weight_scale``; see ``runtime.packed_weights``): a packed parameter
 (``param.packed``) gets this rank's slice of the stored uint8 tensor — its experts, and
 its rows or whole blocks under expert tensor parallelism — without decoding anything; a
 float parameter whose weight is packed on disk (a quantized attention or dense Linear) is
@@ -38,10 +38,11 @@ from safetensors import safe_open
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, local_experts, shard_slice
-from shardwise.quant.mxfp4 import BLOCK_SIZE
-from shardwise.runtime.mxfp4 import decode
-from shardwise.runtime.quantized import BLOCKS, SCALES, Quantization, quantization
-from shardwise.spec.model import ModelSpec, TensorSpec, load_model
+from shardwise.quant.mxfp4_codec import BLOCK_SIZE
+from shardwise.runtime.mxfp4_matmul import decode
+from shardwise.runtime.packed_weights import BLOCKS, SCALES, Quantization, quantization
+from shardwise.spec.model import ModelSpec, TensorSpec
+from shardwise.spec.parse import load_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -249,7 +250,7 @@ def read_packed(
 
     Only the slice is read: the rank's experts along E (fused gpt-oss tensors) and its
     tensor-parallel cut — whole rows, or the whole blocks that cover its share of the input
-    dimension (exactly its share for packed parameters: ``check_quantization`` ensures it).
+    dimension (exactly its share for packed parameters: ``plan.validate_plan`` ensures it).
     """
     name = quant.names(tensor, expert)[0 if part == BLOCKS else 1]
     index = [slice(None)] * len(ckpt.shape(name))
@@ -300,6 +301,13 @@ def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: Tensor
     return ckpt.read(src.name, tuple(index))
 
 
+def read_vocab_rows(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint, rows: tuple[int, int]) -> torch.Tensor:
+    """Rows ``[start, stop)`` of an embedding / LM-head tensor: a rank's vocabulary slice
+    (``layers.vocab_span``), of which the last rank reads only the rows that exist."""
+    src = sources(spec, tensor, ckpt)
+    return ckpt.read(src.name, (slice(*rows),))
+
+
 def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -> None:
     """Fill every parameter of a ``ShardedCausalLM`` with its slice from checkpoint ``folder``."""
     spec, plan, tp_rank = model.spec, model.plan, model.shard.tp_rank
@@ -310,16 +318,22 @@ def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -
         with torch.no_grad():
             for _, param in model.named_parameters():
                 part = getattr(param, "packed", None)
+                rows = getattr(param, "rows", None)  # a vocab-parallel slice, maybe zero-padded
                 if part is not None:
                     data = read_packed(plan, tp_rank, param.spec, ckpt, quant, part, param.expert)
+                elif rows is not None:
+                    data = read_vocab_rows(spec, param.spec, ckpt, rows)
                 else:
                     data = read_shard(spec, plan, tp_rank, param.spec, ckpt, param.expert)
-                if tuple(data.shape) != tuple(param.shape):
+                target = param if rows is None else param[: rows[1] - rows[0]]
+                if tuple(data.shape) != tuple(target.shape):
                     raise ShardwiseError(
                         f"checkpoint tensor '{param.spec.name}' gives a slice of shape {_dims(data.shape)} "
-                        f"for rank {model.shard.rank}, expected {_dims(param.shape)}"
+                        f"for rank {model.shard.rank}, expected {_dims(target.shape)}"
                     )
-                param.copy_(data)
+                if rows is not None:
+                    param.zero_()  # padding rows past the vocabulary stay zero
+                target.copy_(data)
 
 
 def load_spec(folder: str | Path) -> ModelSpec:

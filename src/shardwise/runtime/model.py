@@ -31,7 +31,7 @@ from shardwise.runtime.layers import (
     rope_parameters,
 )
 from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE
-from shardwise.runtime.quantized import check_quantization, quantization
+from shardwise.runtime.packed_weights import quantization
 from shardwise.spec.model import EMBEDDING, LM_HEAD, NORM, ROUTER, LayerSpec, ModelSpec, TensorSpec
 
 RUNTIME_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -73,13 +73,8 @@ def check_runnable(spec: ModelSpec, plan: ParallelPlan) -> None:
         )
     if plan.pp != 1:
         raise ShardwiseError(f"--pp {plan.pp}: the runtime does not run pipeline stages yet, use --pp 1")
-    check_quantization(spec, plan)
+    quantization(spec)  # a one-line error for quantization layouts the runtime cannot read
     cfg = spec.config
-    if plan.tp > 1 and spec.vocab_size % plan.tp:
-        raise ShardwiseError(
-            f"vocab_size {spec.vocab_size} is not divisible by --tp {plan.tp}: the vocab-parallel "
-            "embedding needs equal slices"
-        )
     if spec.family != "gpt_oss" and cfg.get("hidden_act", "silu") != "silu":
         raise ShardwiseError(f"config.json hidden_act '{cfg.get('hidden_act')}' is not supported: the runtime runs silu")
     if spec.family == "deepseek_v3" and cfg.get("attention_bias", False):
@@ -106,7 +101,10 @@ class _Dtyped:
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h = x + Σ attn(norm(x))``; ``out = h + Σ mlp(norm(h))``."""
 
-    def __init__(self, spec: ModelSpec, layer: LayerSpec, shard: Shard, dtype: torch.dtype, max_seq_len: int, max_batch: int):
+    def __init__(
+        self, spec: ModelSpec, layer: LayerSpec, shard: Shard, dtype: torch.dtype, max_seq_len: int, max_batch: int,
+        max_step_tokens: int = 1,
+    ):
         super().__init__()
         t = _local(layer.tensors, f"model.layers.{layer.index}.")
         dt = _Dtyped(spec, dtype)
@@ -136,6 +134,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = GQAttention(
                 attn, shard, dtype, head_dim=spec.head_dim, eps=eps, max_seq_len=max_seq_len,
                 max_batch=max_batch, window=layer.window if layer.attention == "sliding" else None,
+                max_step_tokens=max_step_tokens,
             )
         mlp = _local(layer.tensors, f"model.layers.{layer.index}.mlp.")
         if layer.mlp == "dense":
@@ -163,10 +162,16 @@ class ShardedCausalLM(nn.Module):
     """One rank's shard of a causal LM.
 
     ``forward(ids, start)`` runs tokens ``ids [B, T]`` at positions ``start..start+T-1``
-    through the model, writing the static KV cache (sized ``max_seq_len``), and returns the
-    final hidden states; ``lm_head.greedy`` / ``lm_head.logits`` turn them into tokens or
-    full-vocabulary logits. Parameters are allocated empty: fill them with
-    ``loader.load_shard``.
+    through the model, writing the static KV cache, and returns the final hidden states;
+    ``lm_head.greedy`` / ``lm_head.logits`` turn them into tokens or full-vocabulary logits.
+    Parameters are allocated empty: fill them with ``loader.load_shard``.
+
+    Full-attention caches hold ``max_seq_len`` positions. Sliding-window layers hold a ring
+    of ``min(max_seq_len, window + max_step_tokens - 1)`` positions, where
+    ``max_step_tokens`` is the most positions a decode / verify call writes that a later
+    call may roll back (1 for plain decoding, k + 1 for speculative decoding with k drafts):
+    enough for any later call to find its window however far back it restarts within that
+    step. Prefill may write any number of positions from 0.
     """
 
     def __init__(
@@ -177,11 +182,15 @@ class ShardedCausalLM(nn.Module):
         dtype: torch.dtype | str = torch.float32,
         max_seq_len: int = 256,
         max_batch: int = 1,
+        max_step_tokens: int = 1,
     ):
         super().__init__()
         check_runnable(spec, plan)
+        if max_step_tokens < 1:
+            raise ShardwiseError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
         dtype = torch_dtype(dtype)
         self.spec, self.plan, self.dtype, self.max_seq_len = spec, plan, dtype, max_seq_len
+        self.max_step_tokens = max_step_tokens
         shard = self.shard = Shard(plan, rank)
         dt = _Dtyped(spec, dtype)
         glob = {t.group: t for t in spec.globals if t.group in (EMBEDDING, LM_HEAD)}
@@ -189,7 +198,7 @@ class ShardedCausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(glob[EMBEDDING], shard, dtype)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(spec, layer, shard, dtype, max_seq_len, max_batch) for layer in spec.layers
+            DecoderLayer(spec, layer, shard, dtype, max_seq_len, max_batch, max_step_tokens) for layer in spec.layers
         )
         self.model.norm = RMSNorm(norm, shard, dt.of(norm), spec.rms_norm_eps, spec.family == "gpt_oss")
         self.lm_head = VocabParallelLMHead(glob.get(LM_HEAD), shard, dtype, tied=self.model.embed_tokens)
@@ -213,10 +222,25 @@ class ShardedCausalLM(nn.Module):
         """Full-vocabulary logits [B, T, vocab] for ``ids`` at ``start`` (every rank gets them)."""
         return self.lm_head.logits(self(ids, start))
 
+    def check_step_tokens(self, n: int) -> None:
+        """Raise a one-line ShardwiseError unless passes of ``n`` positions may be rolled back
+        (speculative verify): the sliding-window rings were sized for ``max_step_tokens``."""
+        if n <= self.max_step_tokens:
+            return
+        rings = [
+            layer.self_attn.cache_len for layer in self.model.layers
+            if getattr(layer.self_attn, "window", None) is not None and layer.self_attn.cache_len < self.max_seq_len
+        ]
+        if rings:
+            raise ShardwiseError(
+                f"passes of {n} positions need the model built with max_step_tokens >= {n} (it has "
+                f"{self.max_step_tokens}): its sliding-window caches hold {min(rings)} positions"
+            )
+
     def param_bytes(self) -> int:
         """Bytes of parameters this rank holds (tied weights counted once)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def cache_bytes(self) -> int:
-        """Bytes of this rank's static KV / latent cache."""
+        """Bytes of this rank's static KV / latent cache (sliding layers: their rings)."""
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if "cache" in name)

@@ -14,9 +14,9 @@ Routing, as in transformers:
   renormalised, times ``routed_scaling_factor``. Computed in float32.
 - ``topk_softmax`` (gpt-oss): top-k on the router logits (with bias), softmax over the k.
 
-MXFP4 checkpoints (``runtime.quantized``): routed-expert weights stay packed (uint8
+MXFP4 checkpoints (``runtime.packed_weights``): routed-expert weights stay packed (uint8
 blocks + E8M0 scales, 4.25 bits per weight) and each picked expert's weights are decoded
-to the activation dtype for that one matmul (``runtime.mxfp4.mxfp4_matmul``), so nothing
+to the activation dtype for that one matmul (``runtime.mxfp4_matmul.mxfp4_matmul``), so nothing
 dequantized outlives the call.
 """
 
@@ -29,8 +29,8 @@ from torch import nn
 from shardwise.plan import local_experts
 from shardwise.quant.layouts import BYTES_PER_BLOCK
 from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, shard_param
-from shardwise.runtime.mxfp4 import mxfp4_matmul
-from shardwise.runtime.quantized import BLOCKS, NONE, SCALES, Quantization, packed_param
+from shardwise.runtime.mxfp4_matmul import mxfp4_matmul
+from shardwise.runtime.packed_weights import BLOCKS, NONE, SCALES, Quantization, packed_param
 from shardwise.spec.model import MoESpec, TensorSpec
 
 

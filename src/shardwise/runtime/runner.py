@@ -74,7 +74,7 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
 
     torch.set_num_threads(request.threads)
     if request.backend == "nccl":  # every tensor of the run on this rank's GPU
-        from shardwise.runtime.launch import RankContext
+        from shardwise.runtime.rendezvous import RankContext
 
         torch.set_default_device(RankContext.current().device)
     set_allreduce(request.allreduce)
@@ -83,7 +83,8 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
     sampling = SamplingParams(request.temperature, request.top_p, request.seed)
     t0 = time.perf_counter()
     model = ShardedCausalLM(
-        spec, plan, rank, request.dtype, max_seq_len=len(request.prompt_ids) + request.max_new_tokens
+        spec, plan, rank, request.dtype, max_seq_len=len(request.prompt_ids) + request.max_new_tokens,
+        max_step_tokens=request.spec.tokens + 1 if request.spec is not None else 1,
     )
     load_shard(model, Path(request.checkpoint))
     load_s = time.perf_counter() - t0
@@ -153,7 +154,7 @@ def _interleaved_runs(model, request: RunRequest, sampling, world_size: int):
 def _host_probe(world_size: int, allreduce: str) -> dict[str, float]:
     """The probe's host figures for this run's all-reduce, timed in this rank's process with
     fewer batches than `shardwise probe`: per-op costs and, with peers, the in-decode cost."""
-    from shardwise.probe import measure_host_costs
+    from shardwise.runtime.host_costs import measure_host_costs
 
     costs = measure_host_costs(world_size, [allreduce], batches=7)
     out = {"op_overhead_s": costs["op_overhead_s"], "op_overhead_moe_s": costs["op_overhead_moe_s"]}

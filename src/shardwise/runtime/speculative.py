@@ -98,7 +98,8 @@ def build_drafter(params: SpecParams, model, checkpoint: str | Path, sampling: S
     from shardwise.runtime.model import ShardedCausalLM
 
     check_draft(checkpoint, params.draft)
-    draft = ShardedCausalLM(load_spec(params.draft), ParallelPlan(), 0, model.dtype, max_seq_len=model.max_seq_len)
+    draft = ShardedCausalLM(load_spec(params.draft), ParallelPlan(), 0, model.dtype, max_seq_len=model.max_seq_len,
+                            max_step_tokens=model.max_step_tokens)
     load_shard(draft, Path(params.draft))
     sampling = sampling or SamplingParams()
     return DraftModel(draft, sampling, seed=sampling.seed + 1)
@@ -162,6 +163,7 @@ def speculative_generate(
     check_request(model, prompt_ids, max_new_tokens)
     if spec_tokens < 1:
         raise ShardwiseError(f"--spec-tokens must be >= 1, got {spec_tokens}")
+    model.check_step_tokens(spec_tokens + 1)
     params = sampling or SamplingParams()
     eos = eos_ids(model.spec.config) if eos is None else eos
     pick = _Picker(model, params)

@@ -10,7 +10,7 @@ The catalog (``catalog/hardware.toml``, ``catalog/links.toml``) gives every figu
 estimates rather than published or measured numbers; both land in ``sources`` and
 ``estimates`` on the models.
 
-A cluster file is TOML (see ``shardwise.topology`` for ``[[hosts]]``, ``[[switches]]``
+A cluster file is TOML (see ``shardwise.spec.topology`` for ``[[hosts]]``, ``[[switches]]``
 and ``[[links]]``)::
 
     [cluster]
@@ -41,7 +41,7 @@ import tomli_w
 from msgspec import Meta, Struct
 
 from shardwise.errors import ShardwiseError, unknown_name, validation_message
-from shardwise.topology import Topology, topology_from_toml, topology_to_toml
+from shardwise.spec.topology import Topology, topology_from_toml, topology_to_toml
 
 Positive = Annotated[float, Meta(gt=0)]
 NonNegative = Annotated[float, Meta(ge=0)]

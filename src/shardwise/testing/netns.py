@@ -1,6 +1,6 @@
 """Shaped test networks: Linux network namespaces joined by veth pairs through bridges.
 
-``shaped_network(topology)`` turns a ``topology.Topology`` whose hosts each hang off one
+``shaped_network(topology)`` turns a ``spec.topology.Topology`` whose hosts each hang off one
 switch (one switch = a star; two switches joined by a cable = two racks) into real
 kernel networking, and always tears it down again (context manager, also on errors):
 
@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from shardwise.errors import ShardwiseError
-from shardwise.topology import Topology
+from shardwise.spec.topology import Topology
 
 _CMD_TIMEOUT_S = 20.0
 

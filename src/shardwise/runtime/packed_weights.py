@@ -14,7 +14,7 @@ Two layouts, detected from ``config.json``'s ``quantization_config``
   ("Linear", an exact name or ``re:`` regex) and no ``ignore`` entry does.
 
 Routed-expert weights stay packed in memory (4.25 bits per weight) and are decoded per
-use by ``runtime.mxfp4.mxfp4_matmul``; other quantized Linears (attention, dense MLP,
+use by ``runtime.mxfp4_matmul.mxfp4_matmul``; other quantized Linears (attention, dense MLP,
 shared experts of a fully quantized compressed-tensors checkpoint) are decoded once at
 load into the run dtype. A rank reads only its slices of the packed tensors: its experts
 along E and, under expert tensor parallelism, its rows (output split) or its whole blocks
@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from shardwise.errors import ShardwiseError
-from shardwise.plan import ParallelPlan, shard_shape
 from shardwise.quant.layouts import (
     BYTES_PER_BLOCK,
     LAYOUT_COMPRESSED_TENSORS,
@@ -43,7 +42,7 @@ from shardwise.quant.layouts import (
     detect_layout,
     gpt_oss_tensor_names,
 )
-from shardwise.quant.mxfp4 import BLOCK_SIZE
+from shardwise.quant.mxfp4_codec import BLOCK_SIZE
 from shardwise.spec.model import MATMUL_GROUPS, ModelSpec, TensorSpec
 
 BLOCKS, SCALES = "blocks", "scales"
@@ -131,24 +130,6 @@ def quantization(spec: ModelSpec) -> Quantization:
             "expected quant_method 'mxfp4' with *_blocks / *_scales (the gpt-oss layout)"
         )
     return Quantization(layout, dict(qc))
-
-
-def check_quantization(spec: ModelSpec, plan: ParallelPlan) -> None:
-    """Raise a one-line ShardwiseError when ``plan`` would cut an MXFP4 block of a routed expert
-    (which stays packed in memory; other quantized weights are decoded at load and may be cut anywhere)."""
-    quant = quantization(spec)
-    if not quant.quantized:
-        return
-    for tensor in spec.tensors():
-        if not tensor.is_routed or not quant.packed(tensor):
-            continue
-        full = tensor.shape[-1]
-        local = shard_shape(tensor, plan, 0)[-1]
-        if full % BLOCK_SIZE == 0 and local % BLOCK_SIZE:
-            raise ShardwiseError(
-                f"MXFP4 tensor '{tensor.name}' would be split into {local}-element slices of its {full} inputs at "
-                f"--tp {plan.tp} --ep {plan.ep}, expected a multiple of {BLOCK_SIZE} (whole blocks): use --ep {plan.tp}"
-            )
 
 
 def packed_param(tensor: TensorSpec, local_shape: tuple[int, ...], part: str, quant: Quantization,

@@ -21,7 +21,7 @@ blocks are uint8 [..., n/16, 8] and block scales uint8 [..., n/16] holding E4M3 
 import numpy as np
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant.mxfp4 import (
+from shardwise.quant.mxfp4_codec import (
     E2M1_MAX,
     E2M1_VALUES,
     check_float_input,

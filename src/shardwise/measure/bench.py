@@ -25,10 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardwise.errors import ShardwiseError
-
-PERF_ALGORITHM = {"ring": "ring", "rd": "rd", "oneshot": "oneshot", "two-level": "ring", "builtin": "ring"}
-"""Runtime all-reduce → the planner's cost formula for it (two-level on one host and the
-backend's builtin are charged as a ring; the probe's overhead absorbs the difference)."""
+from shardwise.perf.collectives import PLANNER_ALGORITHM
 
 DTYPE_FORMAT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
 
@@ -55,7 +52,7 @@ def count_rank_ops(rank: int, world: int, checkpoint: str, tp: int, ep: int, dty
     import torch
 
     from shardwise.plan import ParallelPlan
-    from shardwise.probe import op_counter
+    from shardwise.runtime.host_costs import op_counter
     from shardwise.runtime.loader import load_shard, load_spec
     from shardwise.runtime.model import ShardedCausalLM
 
@@ -90,7 +87,7 @@ def with_host_probe(probe: dict[str, Any], reports: list[dict[str, Any]], allred
     the probe's reference blocks interleaved with the measured runs (``RunRequest.host_probe``):
     the slowest rank's seconds per op and, with peers, the per-call all-reduce overhead inside a
     decode step over the probe's ring α-β at the reference message size."""
-    from shardwise.probe import in_decode_overhead_s
+    from shardwise.measure.probe_fit import in_decode_overhead_s
 
     figures = [r["host_probe"] for r in reports]
     out = {**probe, "op_overhead_s": max(f["op_overhead_s"] for f in figures),
@@ -127,7 +124,7 @@ def calibrated_profile(probe: dict[str, Any], allreduce: str, ops: OpCounts, moe
         compute_efficiency=1.0,
         step_overhead_s=host_s,
         collective_overhead_s=float(probe.get("collective_overhead_s", {}).get(allreduce, 0.0)),
-        allreduce=(PERF_ALGORITHM[allreduce],),
+        allreduce=(PLANNER_ALGORITHM[allreduce],),
         source=f"calibrated from shardwise probe: {ops.total:.0f} ops/step, {host_s * 1e3:.2f} ms host time",
     )
 

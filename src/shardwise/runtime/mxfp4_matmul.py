@@ -13,7 +13,7 @@ than gathering float pairs with `F.embedding` (see benchmarks/bench_mxfp4.py). T
 product of an E2M1 value and a power of two is exact in float32 and bfloat16 (or
 overflows to inf at ≥ 2^128, like
 `transformers.integrations.mxfp4.convert_moe_packed_tensors`), so the result is
-bit-identical to `shardwise.quant.mxfp4.decode`. float16 cannot hold the scales, so
+bit-identical to `shardwise.quant.mxfp4_codec.decode`. float16 cannot hold the scales, so
 it is computed in float32 and rounded once; float64 gathers float pairs.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant.mxfp4 import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN
+from shardwise.quant.mxfp4_codec import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN
 
 _BYTES_PER_BLOCK = BLOCK_SIZE // 2
 _LUTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}

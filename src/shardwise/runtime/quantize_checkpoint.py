@@ -1,7 +1,7 @@
 """Write MXFP4 checkpoints (and their dequantized float references) in the Hugging Face layouts.
 
 ``quantize_checkpoint(src, out)`` reads a float checkpoint tensor by tensor, encodes the
-chosen weights with the MXFP4 codec (``shardwise.quant.mxfp4.encode``, OCP or round-up
+chosen weights with the MXFP4 codec (``shardwise.quant.mxfp4_codec.encode``, OCP or round-up
 scales) and writes ``model.safetensors`` plus ``config.json`` with a
 ``quantization_config`` the runtime, transformers and vLLM read:
 
@@ -15,7 +15,7 @@ scales) and writes ``model.safetensors`` plus ``config.json`` with a
   Routers, embeddings, the LM head and norms always stay float.
 
 Which tensors end up packed is decided once, written into the config, and then read back
-through ``runtime.quantized.Quantization`` — the same rules the loader uses — so the file
+through ``runtime.packed_weights.Quantization`` — the same rules the loader uses — so the file
 and the config cannot disagree.
 
 The result records bytes before/after, bits per weight and the relative RMS error per
@@ -40,10 +40,10 @@ from safetensors.torch import save_file
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan
-from shardwise.quant import mxfp4 as codec
+from shardwise.quant import mxfp4_codec as codec
 from shardwise.quant.layouts import CT_MXFP4_FORMAT, LAYOUT_COMPRESSED_TENSORS, LAYOUT_GPT_OSS
 from shardwise.runtime.loader import INDEX_FILE, Checkpoint, check_checkpoint, load_spec, read_shard, sources
-from shardwise.runtime.quantized import Quantization, quantization
+from shardwise.runtime.packed_weights import Quantization, quantization
 from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec, TensorSpec
 
 FORMATS = ("mxfp4",)

@@ -1,0 +1,446 @@
+"""The cost core: bytes, FLOPs, collectives, memory and prefill for one layout or a million.
+
+One code path serves ``shardwise plan`` (one layout: ``perf.decode``, ``perf.memory`` and
+``perf.estimate`` read row 0) and ``shardwise sweep`` (every layout × box × link at once):
+
+1. ``count_layouts``: per layout (tp, ep, pp) and layer, element counts per tensor group (the
+   layout rules of ``shardwise.plan``: ``held_numel``, ``picked_expert_numel``, ``stage_globals``,
+   ``stage_layers``) and the mixer table's cache, state and FLOP figures
+   (``shardwise.spec.mixers``). Layers of equal structure are counted once per (tp, ep).
+2. ``build_layout_table``: those counts at one quantization (bits per group) → bytes.
+3. ``step_figures`` / ``collective_figures`` / ``evaluate`` / ``evaluate_prefill`` /
+   ``stage_bytes``: numpy over arrays that broadcast against each other (layout index, box
+   figures, link figures). The per-layer ``max(memory, compute)`` is exact, layer by layer:
+   arrays get a trailing layer axis, so pass grid-shaped inputs (layouts × boxes × links).
+
+A decode step over ``positions`` positions (1 plain, k+1 for a speculative verify) reads every
+non-expert weight once, the distinct experts the positions picked (the busiest expert-parallel
+rank's expected count), the cache once and the recurrent state twice (read, written). Under TP
+each layer ends in the all-reduces its mixer and MLP declare (2: after attention, after the
+MLP or MoE, routed and shared outputs fused); a latent-MoE layer adds an all-gather and a
+reduce-scatter of the latent; the vocab-parallel embedding adds one all-reduce and greedy
+sampling one all-gather of (value, index) pairs; pipeline boundaries one point-to-point each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardwise.perf import collectives
+from shardwise.perf.imbalance import distinct_experts, expected_max_load_tokens
+from shardwise.perf.speculative import tokens_per_step
+from shardwise.plan import ParallelPlan, held_numel, picked_expert_numel, stage_globals
+from shardwise.spec.model import EMBEDDING, LM_HEAD, TENSOR_GROUPS, LayerSpec, ModelSpec
+
+BOTTLENECKS = ("memory bandwidth", "compute", "network latency", "host overhead", "drafting")
+PREFILL_BOTTLENECKS = ("compute", "network bandwidth")
+
+ACTIVATION_BYTES = 2  # bf16 activations on the wire
+SAMPLE_BYTES = 8  # one (value, index) pair per rank and position for greedy sampling
+PREFILL_CHUNK_TOKENS = 2048  # workspace: activations and logits of one prefill chunk ...
+WORKSPACE_HIDDEN_BUFFERS = 8  # ... as this many hidden-wide buffers plus the logits row ...
+WORKSPACE_ELEMENT_BYTES = 4.0  # ... in float32
+
+_GROUP = {g: i for i, g in enumerate(TENSOR_GROUPS)}
+
+
+@dataclass(frozen=True)
+class LayoutCounts:
+    """Quantization-independent figures per layout (first axis) and layer (second axis).
+
+    ``*_numel_g`` arrays have a trailing tensor-group axis (``TENSOR_GROUPS`` order): elements
+    on one tensor rank. Cache figures are bytes at the given KV dtype.
+    """
+
+    plans: tuple[ParallelPlan, ...]
+    dense_numel_g: np.ndarray  # (P, L, G) non-expert weights one rank reads
+    expert_numel_g: np.ndarray  # (P, L, G) one picked expert's shard
+    held_numel_g: np.ndarray  # (P, L, G) weights one rank holds (all its local experts)
+    dense_matmul_numel: np.ndarray  # (P, L) non-expert matmul weights one rank multiplies
+    expert_matmul_numel: np.ndarray  # (P, L) one expert's matmul weights
+    cache_bytes_per_ctx: np.ndarray  # (P, L) cache held (and read per step) per context token
+    state_bytes: np.ndarray  # (P, L) constant per-sequence state held (linear attention)
+    state_traffic_bytes: np.ndarray  # (P, L) state read + written per step
+    attn_flops_per_ctx: np.ndarray  # (P, L) per position per context token
+    attn_flops_const: np.ndarray  # (P, L) per position
+    window_tokens: np.ndarray  # (L,) sliding window, inf where the cache grows without bound
+    allreduces: np.ndarray  # (L,) all-reduces each layer ends with under TP (mixer + MLP)
+    latent: np.ndarray  # (L,) latent-MoE layer: one latent all-gather + reduce-scatter
+    global_read_numel_g: np.ndarray  # (P, G) embedding row, final norm, LM-head shard read per step
+    embedding_row_numel: np.ndarray  # (P,) extra embedding elements read per extra position
+    stage_globals_numel_g: np.ndarray  # (P, S, G) embedding / norm / LM head each stage holds
+    vocab_rows: np.ndarray  # (P,) LM-head rows one rank multiplies (vocabulary padded to tp)
+    stage_start: np.ndarray  # (P, S) first layer of each stage (S = max pp; padding start = stop = 0)
+    stage_stop: np.ndarray  # (P, S)
+    stage_valid: np.ndarray  # (P, S) bool
+    workspace_bytes: np.ndarray  # (P,)
+    tp: np.ndarray
+    ep: np.ndarray
+    pp: np.ndarray
+
+
+@dataclass(frozen=True)
+class LayoutTable:
+    """``LayoutCounts`` at one quantization: bytes per layout and layer (see ``build_layout_table``)."""
+
+    counts: LayoutCounts
+    dense_bytes: np.ndarray  # (P, L)
+    expert_bytes: np.ndarray  # (P, L) one picked expert's shard
+    head_bytes: np.ndarray  # (P,) globals read at one position
+    embedding_row_bytes: np.ndarray  # (P,)
+    stage_weights_bytes: np.ndarray  # (P, S), -inf on padding stages
+    bits_per_weight: float  # average over the whole model at these formats
+
+    @property
+    def plans(self) -> tuple[ParallelPlan, ...]:
+        """The layouts, in table order."""
+        return self.counts.plans
+
+
+def _signature(layer: LayerSpec) -> tuple:
+    return (layer.attention, layer.mlp, layer.window) + tuple(
+        (t.group, t.shape, t.tp_dim, t.tp_unit, t.experts, t.expert_dim) for t in layer.tensors
+    )
+
+
+def _layer_row(model: ModelSpec, layer: LayerSpec, plan: ParallelPlan, kv_bytes: float) -> tuple:
+    """One layer on one tensor rank of ``plan``: (dense_g, expert_g, held_g, dense matmul, expert
+    matmul, cache bytes per ctx, state held, state traffic, FLOPs per ctx, constant FLOPs)."""
+    g = len(TENSOR_GROUPS)
+    dense, expert, held = np.zeros(g), np.zeros(g), np.zeros(g)
+    dense_mm = expert_mm = 0
+    for t in layer.tensors:
+        gi = _GROUP[t.group]
+        n = held_numel(t, plan)
+        held[gi] += n
+        if t.is_routed:
+            one = picked_expert_numel(t, plan)
+            expert[gi] += one
+            expert_mm += one if t.is_matmul else 0
+        else:
+            dense[gi] += n
+            dense_mm += n if t.is_matmul else 0
+    mixer = layer.mixer
+    figures = (mixer.cache_elems_per_token(model, plan.tp) * kv_bytes, mixer.state_bytes(model, plan.tp),
+               mixer.state_traffic_bytes(model, plan.tp), mixer.flops_per_ctx(model, plan.tp),
+               mixer.flops_const(model, plan.tp))
+    return (dense, expert, held, dense_mm, expert_mm, *figures)
+
+
+def _global_reads(model: ModelSpec, plan: ParallelPlan) -> tuple[np.ndarray, float, int]:
+    """Globals read per step at one position per group, the extra embedding elements per extra
+    position, and the LM-head rows one rank multiplies."""
+    read = np.zeros(len(TENSOR_GROUPS))
+    head = next((t for t in model.globals if t.group == LM_HEAD), None)
+    embedding = next(t for t in model.globals if t.group == EMBEDDING)
+    vocab_rows = (head or embedding).tp_shard_len(plan.tp) if plan.tp > 1 else model.vocab_size
+    for t in model.globals:
+        if t.group == EMBEDDING:
+            read[_GROUP[EMBEDDING]] += model.hidden_size  # one looked-up row
+        elif t.group == LM_HEAD:
+            read[_GROUP[LM_HEAD]] += vocab_rows * model.hidden_size
+        else:
+            read[_GROUP[t.group]] += t.numel
+    if head is None:  # tied: the LM head multiplies the embedding's rows
+        read[_GROUP[EMBEDDING]] += vocab_rows * model.hidden_size
+    return read, float(model.hidden_size), vocab_rows
+
+
+def count_layouts(model: ModelSpec, plans: list[ParallelPlan], kv_bytes: float = 2.0) -> LayoutCounts:
+    """Element counts, cache and attention figures per layout and layer (quantization-free)."""
+    sigs = [_signature(layer) for layer in model.layers]
+    first_of: dict[tuple, LayerSpec] = {}
+    for sig, layer in zip(sigs, model.layers):
+        first_of.setdefault(sig, layer)
+    keys = sorted({(p.tp, p.ep) for p in plans})
+    per_key = []
+    for tp, ep in keys:
+        flat = ParallelPlan(tp=tp, ep=ep)
+        rows = {sig: _layer_row(model, layer, flat, kv_bytes) for sig, layer in first_of.items()}
+        per_key.append(([rows[s] for s in sigs], _global_reads(model, flat)))
+    which = np.array([keys.index((p.tp, p.ep)) for p in plans], dtype=np.int64)
+
+    def gather(make) -> np.ndarray:
+        return np.stack([make(entry) for entry in per_key])[which] if plans else np.zeros((0,))
+
+    names = ("dense_numel_g", "expert_numel_g", "held_numel_g", "dense_matmul_numel", "expert_matmul_numel",
+             "cache_bytes_per_ctx", "state_bytes", "state_traffic_bytes", "attn_flops_per_ctx", "attn_flops_const")
+    per_layer = {name: gather(lambda e, j=j: np.array([row[j] for row in e[0]], dtype=float))
+                 for j, name in enumerate(names)}
+    max_pp = max((p.pp for p in plans), default=1)
+    start, stop = np.zeros((len(plans), max_pp), np.int64), np.zeros((len(plans), max_pp), np.int64)
+    stage_globals_g = np.zeros((len(plans), max_pp, len(TENSOR_GROUPS)))
+    for i, plan in enumerate(plans):
+        for s in range(plan.pp):
+            layers = plan.stage_layers(model.num_layers, s)
+            start[i, s], stop[i, s] = layers.start, layers.stop
+            for t in stage_globals(model, plan, s):
+                stage_globals_g[i, s, _GROUP[t.group]] += held_numel(t, plan)
+    tp = np.array([p.tp for p in plans], dtype=np.int64)
+    vocab_rows = gather(lambda e: np.float64(e[1][2]))
+    hidden_buffers = WORKSPACE_HIDDEN_BUFFERS * model.hidden_size
+    return LayoutCounts(
+        plans=tuple(plans), **per_layer,
+        window_tokens=np.array([layer.window if layer.mixer.windowed and layer.window else np.inf
+                                for layer in model.layers], dtype=float),
+        allreduces=np.array([layer.mixer.allreduces + 1 for layer in model.layers]),  # + the MLP's
+        latent=np.array([layer.mlp == "moe" and model.moe is not None and model.moe.latent_size is not None
+                         for layer in model.layers]),
+        global_read_numel_g=gather(lambda e: e[1][0]), embedding_row_numel=gather(lambda e: np.float64(e[1][1])),
+        stage_globals_numel_g=stage_globals_g, vocab_rows=vocab_rows,
+        stage_start=start, stage_stop=stop, stage_valid=np.arange(max_pp)[None, :] < np.array([p.pp for p in plans])[:, None],
+        workspace_bytes=PREFILL_CHUNK_TOKENS * (hidden_buffers + vocab_rows) * WORKSPACE_ELEMENT_BYTES,
+        tp=tp, ep=np.array([p.ep for p in plans], dtype=np.int64), pp=np.array([p.pp for p in plans], dtype=np.int64),
+    )
+
+
+def _stage_sum(per_layer: np.ndarray, counts: LayoutCounts) -> np.ndarray:
+    """(P, L) → (P, S): the sum over each stage's layers."""
+    cum = np.concatenate([np.zeros((per_layer.shape[0], 1)), np.cumsum(per_layer, axis=1)], axis=1)
+    return np.take_along_axis(cum, counts.stage_stop, 1) - np.take_along_axis(cum, counts.stage_start, 1)
+
+
+def build_layout_table(
+    model: ModelSpec, plans: list[ParallelPlan] | LayoutCounts, formats_bits: dict[str, float], kv_bytes: float = 2.0
+) -> LayoutTable:
+    """Bytes per layout and layer at ``formats_bits`` (bits per weight per tensor group).
+
+    ``plans`` may be a ``LayoutCounts`` already counted (``count_layouts``), to price several
+    quantizations of the same layouts without counting again.
+    """
+    counts = plans if isinstance(plans, LayoutCounts) else count_layouts(model, plans, kv_bytes)
+    byte_g = np.array([formats_bits[g] / 8 for g in TENSOR_GROUPS])
+    stage = _stage_sum(counts.held_numel_g @ byte_g, counts) + counts.stage_globals_numel_g @ byte_g
+    total_bits = sum(n * formats_bits[g] for g, n in model.params_by_group.items())
+    return LayoutTable(
+        counts=counts,
+        dense_bytes=counts.dense_numel_g @ byte_g,
+        expert_bytes=counts.expert_numel_g @ byte_g,
+        head_bytes=counts.global_read_numel_g @ byte_g,
+        embedding_row_bytes=counts.embedding_row_numel * byte_g[_GROUP[EMBEDDING]],
+        stage_weights_bytes=np.where(counts.stage_valid, stage, -np.inf),
+        bits_per_weight=total_bits / model.total_params,
+    )
+
+
+def stage_bytes(table: LayoutTable, context_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, cache) one rank of each stage holds at ``context_tokens`` (bytes, (P, S);
+    weights -inf on padding stages)."""
+    c = table.counts
+    per_layer = c.cache_bytes_per_ctx * np.minimum(float(context_tokens), c.window_tokens) + c.state_bytes
+    return table.stage_weights_bytes, _stage_sum(per_layer, c)
+
+
+def fullest_rank_bytes(table: LayoutTable, context_tokens: int) -> np.ndarray:
+    """Weights + cache of each layout's fullest rank at ``context_tokens`` (bytes, per layout)."""
+    weights, cache = stage_bytes(table, context_tokens)
+    return np.max(weights + cache, axis=1)
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """Bytes and FLOPs of one step per layout: layers, then the globals as a last column."""
+
+    nbytes: np.ndarray  # (P, L + 1) bytes the busiest rank reads
+    flops: np.ndarray  # (P, L + 1)
+    experts_busiest: np.ndarray  # (P,) picked experts per MoE layer on the busiest rank
+    experts_average: np.ndarray  # (P,)
+
+
+def step_figures(model: ModelSpec, table: LayoutTable, context_tokens: int, positions: int = 1,
+                 busiest_experts: bool = True) -> StepFigures:
+    """Bytes and FLOPs per layout and layer of a step over ``positions`` at ``context_tokens``
+    (``busiest_experts`` False: picked experts spread evenly over the expert-parallel ranks)."""
+    c = table.counts
+    if model.moe is not None:
+        e, k = model.moe.num_experts, model.moe.top_k
+        distinct = distinct_experts(e, k, positions)
+        average = distinct / c.ep
+        per_ep = {int(x): expected_max_load_tokens(e, k, int(x), positions) for x in np.unique(c.ep)}
+        busiest = np.array([per_ep[int(x)] for x in c.ep]) if busiest_experts else average
+        uses = positions * k / distinct  # positions sharing one picked expert
+    else:
+        average = busiest = np.zeros(len(c.ep))
+        uses = 0.0
+    n_exp = np.where(table.expert_bytes > 0, busiest[:, None], 0.0)
+    ctx = np.minimum(float(context_tokens), c.window_tokens)
+    nbytes = table.dense_bytes + n_exp * table.expert_bytes + c.cache_bytes_per_ctx * ctx + c.state_traffic_bytes
+    flops = 2 * (positions * c.dense_matmul_numel + n_exp * uses * c.expert_matmul_numel)
+    flops = flops + positions * (c.attn_flops_per_ctx * ctx + c.attn_flops_const)
+    head_bytes = table.head_bytes + (positions - 1) * table.embedding_row_bytes
+    head_flops = 2.0 * positions * c.vocab_rows * model.hidden_size
+    return StepFigures(np.concatenate([nbytes, head_bytes[:, None]], axis=1),
+                       np.concatenate([flops, head_flops[:, None]], axis=1), busiest, average)
+
+
+def collective_figures(model: ModelSpec, counts: LayoutCounts, layout, alpha_s, beta_bytes_per_s, positions: int,
+                       algorithms: tuple[str, ...], *, sampled_positions: int | None = None,
+                       ring_s=None) -> dict[str, np.ndarray]:
+    """α-β seconds and number of collective calls of one step over ``positions`` per layout.
+
+    The activation all-reduces take the cheapest of ``algorithms`` (names of
+    ``collectives.ALLREDUCE_ALGORITHMS``; ``ring_s(n_bytes)``: the ring's cost on a cable graph
+    instead of the flat link). ``sampled_positions`` (default ``positions``): positions whose
+    (value, index) pairs greedy sampling gathers. Returns arrays: seconds, calls, allreduce_s
+    (one activation all-reduce), algorithm (index into ``algorithms``).
+    """
+    layout = np.asarray(layout)
+    tp, pp = counts.tp[layout], counts.pp[layout]
+    msg = positions * model.hidden_size * ACTIVATION_BYTES
+    each = [np.asarray(ring_s(msg) if name == "ring" and ring_s is not None
+                       else collectives.ALLREDUCE_ALGORITHMS[name](msg, tp, alpha_s, beta_bytes_per_s), dtype=float)
+            for name in algorithms]
+    each = np.stack(np.broadcast_arrays(*each))
+    pick = np.argmin(each, axis=0)
+    allreduce_s = np.take_along_axis(each, pick[None, ...], axis=0)[0]
+    activation_allreduces = int(counts.allreduces.sum()) + 1  # + the vocab-parallel embedding's
+    latent_layers = int(counts.latent.sum())
+    seconds = activation_allreduces * allreduce_s
+    calls = activation_allreduces + 1 + 2 * latent_layers  # + the sampling gather
+    if latent_layers:
+        latent_msg = positions * model.moe.latent_size * ACTIVATION_BYTES
+        seconds = seconds + latent_layers * (
+            collectives.ring_allgather_s(latent_msg, tp, alpha_s, beta_bytes_per_s)
+            + collectives.ring_reduce_scatter_s(latent_msg, tp, alpha_s, beta_bytes_per_s))
+    sampled = positions if sampled_positions is None else sampled_positions
+    seconds = seconds + collectives.ring_allgather_s(sampled * SAMPLE_BYTES * tp, tp, alpha_s, beta_bytes_per_s)
+    p2p = collectives.point_to_point_s(msg, alpha_s, beta_bytes_per_s)
+    return {
+        "seconds": np.where(tp > 1, seconds, 0.0) + (pp - 1) * p2p,
+        "calls": np.where(tp > 1, calls, 0) + (pp - 1),
+        "allreduce_s": np.where(tp > 1, allreduce_s, 0.0),
+        "algorithm": pick,
+    }
+
+
+def _layer_max(values_a: np.ndarray, rate_a, values_b: np.ndarray, rate_b, layout: np.ndarray) -> np.ndarray:
+    """Σ over layers of max(a / rate_a, b / rate_b), exact per layer, on the broadcast shape of
+    (layout, rate_a, rate_b)."""
+    shape = np.broadcast_shapes(layout.shape, np.shape(rate_a), np.shape(rate_b))
+    lay, ra, rb = (np.broadcast_to(x, shape)[..., None] for x in (layout, rate_a, rate_b))
+    return np.sum(np.maximum(values_a[lay[..., 0]] / ra, values_b[lay[..., 0]] / rb), axis=-1)
+
+
+def evaluate(
+    model: ModelSpec,
+    table: LayoutTable,
+    layout: np.ndarray,
+    mem_bandwidth_bytes_per_s: np.ndarray,
+    peak_flops: np.ndarray,
+    box_bytes: np.ndarray,
+    link_alpha_s: np.ndarray,
+    link_beta_bytes_per_s: np.ndarray,
+    context_tokens: int,
+    *,
+    link_network: np.ndarray | bool = True,
+    mem_efficiency: float = 1.0,
+    compute_efficiency: float = 1.0,
+    step_overhead_s: float = 0.0,
+    collective_overhead_s: float = 0.0,
+    allreduce: tuple[str, ...] = ("ring", "rd", "oneshot", "tree"),
+    reserve_fraction: float = 0.10,
+    spec_tokens: int = 0,
+    acceptance: float = 0.0,
+    drafting_s: np.ndarray | float = 0.0,
+    replicated_bytes: float = 0.0,
+) -> dict[str, np.ndarray]:
+    """Decode tok/s, step-time terms and memory fit; arrays broadcast against each other.
+
+    ``layout`` indexes ``table``; box figures (bytes/s, FLOP/s, bytes) and link figures
+    (seconds, bytes/s; ``link_network`` True for tcp/rdma links, whose collectives pay the
+    profile's per-call ``collective_overhead_s``) broadcast against it. With ``spec_tokens``
+    k > 0 the step is a verify pass over k+1 positions yielding ``tokens_per_step(k, acceptance)``
+    tokens; ``drafting_s`` (seconds per verify step a draft model takes, broadcast against the
+    box figures) adds to it and ``replicated_bytes`` (the draft's weights and cache) to every
+    box's memory. Returns arrays:
+    tok_per_s, step_s (the verify or decode step, drafting not included), memory_s, compute_s,
+    layers_s, collective_s, used_bytes, free_bytes, fits, bottleneck (index into ``BOTTLENECKS``).
+    """
+    positions = spec_tokens + 1 if spec_tokens else 1
+    layout = np.asarray(layout)
+    fig = step_figures(model, table, context_tokens, positions)
+    bw = np.asarray(mem_bandwidth_bytes_per_s, dtype=float) * mem_efficiency
+    peak = np.asarray(peak_flops, dtype=float) * compute_efficiency
+    layers_s = _layer_max(fig.nbytes, bw, fig.flops, peak, layout)
+    memory_s = fig.nbytes.sum(axis=1)[layout] / bw
+    compute_s = fig.flops.sum(axis=1)[layout] / peak
+    coll = collective_figures(model, table.counts, layout, link_alpha_s, link_beta_bytes_per_s, positions, allreduce)
+    collective_s = coll["seconds"] + coll["calls"] * np.where(link_network, collective_overhead_s, 0.0)
+    step_s = layers_s + collective_s + step_overhead_s
+    tokens = tokens_per_step(spec_tokens, acceptance) if spec_tokens else 1.0
+    box_bytes = np.asarray(box_bytes, dtype=float)
+    used = (fullest_rank_bytes(table, context_tokens) + table.counts.workspace_bytes)[layout] + reserve_fraction * box_bytes
+    used = used + replicated_bytes
+    # The largest of (memory or compute, collectives, host overhead, drafting), first on ties, as estimate() names it.
+    mem_first = memory_s >= compute_s
+    layer_term = np.where(mem_first, memory_s, compute_s)
+    bottleneck = np.where((layer_term >= collective_s) & (layer_term >= step_overhead_s), np.where(mem_first, 0, 1),
+                          np.where(collective_s >= step_overhead_s, 2, 3))
+    drafting_s = np.asarray(drafting_s, dtype=float)
+    bottleneck = np.where(drafting_s > np.maximum(np.maximum(layer_term, collective_s), step_overhead_s), 4, bottleneck)
+    return {
+        "tok_per_s": tokens / (step_s + drafting_s),
+        "step_s": step_s,
+        "memory_s": memory_s,
+        "compute_s": compute_s,
+        "layers_s": layers_s,
+        "collective_s": collective_s,
+        "used_bytes": used,
+        "free_bytes": box_bytes - used,
+        "fits": used <= box_bytes,
+        "bottleneck": bottleneck,
+    }
+
+
+def evaluate_prefill(
+    model: ModelSpec,
+    table: LayoutTable,
+    layout: np.ndarray,
+    mem_bandwidth_bytes_per_s: np.ndarray,
+    peak_flops: np.ndarray,
+    link_alpha_s: np.ndarray,
+    link_beta_bytes_per_s: np.ndarray,
+    prompt_tokens: int,
+    *,
+    link_network: np.ndarray | bool = True,
+    mem_efficiency: float = 1.0,
+    compute_efficiency: float = 1.0,
+    step_overhead_s: float = 0.0,
+    collective_overhead_s: float = 0.0,
+    allreduce: tuple[str, ...] = ("ring", "rd", "oneshot", "tree"),
+) -> dict[str, np.ndarray]:
+    """Prefill of ``prompt_tokens`` in one pass, vectorized.
+
+    Per layer ``max(FLOPs / peak, bytes / bandwidth)`` with every local expert read once and
+    ``prompt · top_k / ep`` expert-token uses per rank, attention over half the prompt on
+    average; the LM head's FLOPs at every position; the same collectives as a decode step
+    (``collective_figures``) with prompt-sized messages, one sampled position; each collective
+    on a network link (``link_network``) pays ``collective_overhead_s``.
+    Returns arrays: tok_per_s, compute_s, collective_s, bottleneck (index into ``PREFILL_BOTTLENECKS``).
+    """
+    c = table.counts
+    p_tok = float(prompt_tokens)
+    layout = np.asarray(layout)
+    moe = table.expert_bytes > 0
+    local = np.floor(model.moe.num_experts / c.ep if model.moe else np.zeros(len(c.ep)))[:, None]
+    uses = (p_tok * model.moe.top_k / c.ep if model.moe else np.zeros(len(c.ep)))[:, None]
+    ctx = np.minimum(p_tok, c.window_tokens)
+    flops = 2 * p_tok * c.dense_matmul_numel + np.where(moe, 2 * uses * c.expert_matmul_numel, 0.0)
+    flops = flops + p_tok * (c.attn_flops_per_ctx * ctx / 2 + c.attn_flops_const)
+    nbytes = table.dense_bytes + np.where(moe, local * table.expert_bytes, 0.0)
+    bw = np.asarray(mem_bandwidth_bytes_per_s, dtype=float) * mem_efficiency
+    peak = np.asarray(peak_flops, dtype=float) * compute_efficiency
+    compute_s = _layer_max(flops, peak, nbytes, bw, layout)
+    compute_s = compute_s + (2 * p_tok * model.hidden_size * c.vocab_rows)[layout] / peak
+    coll = collective_figures(model, c, layout, link_alpha_s, link_beta_bytes_per_s, prompt_tokens, allreduce,
+                              sampled_positions=1)
+    comm = coll["seconds"] + coll["calls"] * np.where(link_network, collective_overhead_s, 0.0)
+    total = compute_s + comm + step_overhead_s
+    return {
+        "tok_per_s": p_tok / total,
+        "compute_s": compute_s,
+        "collective_s": comm,
+        "bottleneck": (comm > compute_s).astype(np.int64),
+    }

@@ -1,0 +1,341 @@
+"""One builder per model family: a Hugging Face config (text part) → the keyword arguments of a
+ModelSpec (layers with their tensors, MoE / MLA / linear-attention dimensions).
+
+Mixer tensors come from ``shardwise.spec.mixers``, the rest from ``shardwise.spec.tensors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shardwise.errors import ShardwiseError
+from shardwise.spec.mixers import (
+    LinearAttentionSpec,
+    MLASpec,
+    gated_attention_tensors,
+    gated_deltanet_tensors,
+    gqa_tensors,
+    kda_tensors,
+    mla_tensors,
+)
+from shardwise.spec.model import LayerSpec, MoESpec
+from shardwise.spec.tensors import (
+    ATTENTION,
+    DENSE_MLP,
+    LATENT_PROJ,
+    ROUTED_EXPERTS,
+    ROUTER,
+    SHARED_EXPERTS,
+    TensorSpec,
+    col,
+    experts,
+    layer_norms,
+    norm,
+    rep,
+    row,
+    swiglu,
+)
+
+
+class Config:
+    """Typed access to a config dict with one-line errors naming the missing field."""
+
+    def __init__(self, data: Mapping[str, Any], model_type: str):
+        self.data = data
+        self.model_type = model_type
+
+    def req(self, key: str) -> Any:
+        if key not in self.data or self.data[key] is None:
+            raise ShardwiseError(
+                f"config.json ({self.model_type}) is missing required field '{key}': add it to the config"
+            )
+        return self.data[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key, default)
+        return default if value is None else value
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.req(key) if default is None else self.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ShardwiseError(f"config.json field '{key}' must be a non-negative integer, got {value!r}")
+        return value
+
+
+
+# ---- families --------------------------------------------------------------------------------
+
+
+def _build_llama(cfg: Config) -> dict[str, Any]:
+    hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
+    kv = cfg.int("num_key_value_heads", heads)
+    hd = cfg.int("head_dim", hidden // heads)
+    inter = cfg.int("intermediate_size")
+    layers = []
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        tensors = gqa_tensors(p + "self_attn.", hidden, heads, kv, hd, bool(cfg.get("attention_bias", False)), None)
+        tensors += swiglu(p + "mlp.", hidden, inter, DENSE_MLP)
+        if cfg.get("mlp_bias", False):
+            raise ShardwiseError("config.json field 'mlp_bias' true is not supported: shardwise reads llama with mlp_bias false")
+        tensors += layer_norms(p, hidden)
+        layers.append(LayerSpec(i, "gqa", "dense", tuple(tensors)))
+    return dict(
+        family="llama", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        intermediate_size=inter, layers=tuple(layers),
+    )
+
+
+def _build_qwen3_moe(cfg: Config) -> dict[str, Any]:
+    olmoe = cfg.model_type == "olmoe"
+    hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
+    kv = cfg.int("num_key_value_heads", heads)
+    hd = cfg.int("head_dim", hidden // heads)
+    inter = cfg.int("intermediate_size")
+    # transformers 5 writes qwen3_moe's expert count as num_local_experts (4.x: num_experts)
+    n_exp_key = "num_experts" if cfg.get("num_experts") is not None or cfg.get("num_local_experts") is None else "num_local_experts"
+    n_exp, top_k, moe_inter = cfg.int(n_exp_key), cfg.int("num_experts_per_tok"), cfg.int("moe_intermediate_size", inter)
+    step = cfg.int("decoder_sparse_step", 1)
+    mlp_only = set(cfg.get("mlp_only_layers", []))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    layers = []
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        tensors = gqa_tensors(p + "self_attn.", hidden, heads, kv, hd, bool(cfg.get("attention_bias", False)), "full" if olmoe else "head")
+        moe = i not in mlp_only and n_exp > 0 and (i + 1) % step == 0
+        if moe:
+            tensors.append(rep(p + "mlp.gate.weight", (n_exp, hidden), ROUTER))
+            tensors += experts(p + "mlp.experts.", hidden, moe_inter, n_exp)
+        else:
+            tensors += swiglu(p + "mlp.", hidden, inter, DENSE_MLP)
+        tensors += layer_norms(p, hidden)
+        layers.append(LayerSpec(i, "gqa", "moe" if moe else "dense", tuple(tensors)))
+    moe_spec = MoESpec(
+        num_experts=n_exp, top_k=top_k, shared_experts=0, intermediate_size=moe_inter, shared_intermediate_size=0,
+        routing="softmax_topk", norm_topk_prob=bool(cfg.get("norm_topk_prob", not olmoe)),
+    )
+    return dict(
+        family="olmoe" if olmoe else "qwen3_moe", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        intermediate_size=inter, layers=tuple(layers), moe=moe_spec, sliding_window=window,
+    )
+
+
+def _mla_spec(cfg: Config) -> MLASpec:
+    return MLASpec(
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=cfg.int("kv_lora_rank"),
+        qk_nope_head_dim=cfg.int("qk_nope_head_dim"),
+        qk_rope_head_dim=cfg.int("qk_rope_head_dim"),
+        v_head_dim=cfg.int("v_head_dim"),
+    )
+
+
+def _build_deepseek(cfg: Config) -> dict[str, Any]:
+    hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
+    inter, moe_inter = cfg.int("intermediate_size"), cfg.int("moe_intermediate_size")
+    n_exp, top_k = cfg.int("n_routed_experts"), cfg.int("num_experts_per_tok")
+    n_shared = cfg.int("n_shared_experts", 0)
+    first_dense, freq = cfg.int("first_k_dense_replace", 0), cfg.int("moe_layer_freq", 1)
+    mla = _mla_spec(cfg)
+    v3 = cfg.model_type in ("deepseek_v3", "kimi_k2") or cfg.get("scoring_func") == "sigmoid"
+    layers = []
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        tensors = mla_tensors(p + "self_attn.", hidden, heads, mla, gated=False)
+        moe = i >= first_dense and i % freq == 0
+        if moe:
+            tensors.append(rep(p + "mlp.gate.weight", (n_exp, hidden), ROUTER))
+            if v3:
+                tensors.append(rep(p + "mlp.gate.e_score_correction_bias", (n_exp,), ROUTER))
+            tensors += experts(p + "mlp.experts.", hidden, moe_inter, n_exp)
+            if n_shared:
+                tensors += swiglu(p + "mlp.shared_experts.", hidden, moe_inter * n_shared, SHARED_EXPERTS)
+        else:
+            tensors += swiglu(p + "mlp.", hidden, inter, DENSE_MLP)
+        tensors += layer_norms(p, hidden)
+        layers.append(LayerSpec(i, "mla", "moe" if moe else "dense", tuple(tensors)))
+    moe_spec = MoESpec(
+        num_experts=n_exp, top_k=top_k, shared_experts=n_shared, intermediate_size=moe_inter,
+        shared_intermediate_size=moe_inter * n_shared,
+        routing="sigmoid_grouped" if v3 else "softmax_grouped",
+        n_group=cfg.int("n_group", 1), topk_group=cfg.int("topk_group", 1),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+    )
+    return dict(
+        family="deepseek_v3" if v3 else "deepseek_v2", num_layers=n_layers, num_heads=heads,
+        num_kv_heads=heads, head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, intermediate_size=inter,
+        layers=tuple(layers), moe=moe_spec, mla=mla,
+    )
+
+
+def _build_gpt_oss(cfg: Config) -> dict[str, Any]:
+    hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
+    kv, hd = cfg.int("num_key_value_heads"), cfg.int("head_dim", hidden // heads)
+    inter = cfg.int("intermediate_size")
+    n_exp, top_k = cfg.int("num_local_experts"), cfg.int("num_experts_per_tok", cfg.get("experts_per_token", 0))
+    window = cfg.int("sliding_window", 0) or None
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    if len(types) != n_layers:
+        raise ShardwiseError(f"config.json field 'layer_types' has {len(types)} entries, expected num_hidden_layers = {n_layers}")
+    layers = []
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        tensors = gqa_tensors(p + "self_attn.", hidden, heads, kv, hd, True, None)
+        tensors.append(TensorSpec(p + "self_attn.sinks", (heads,), ATTENTION, tp_dim=0))
+        tensors += [
+            rep(p + "mlp.router.weight", (n_exp, hidden), ROUTER),
+            rep(p + "mlp.router.bias", (n_exp,), ROUTER),
+            # Fused expert tensors [E, out, in]; gate/up rows interleaved (gate_j, up_j) pairs.
+            TensorSpec(p + "mlp.experts.gate_up_proj", (n_exp, 2 * inter, hidden), ROUTED_EXPERTS, tp_dim=1, tp_unit=2, expert_dim=0),
+            TensorSpec(p + "mlp.experts.gate_up_proj_bias", (n_exp, 2 * inter), ROUTED_EXPERTS, tp_dim=1, tp_unit=2, expert_dim=0),
+            TensorSpec(p + "mlp.experts.down_proj", (n_exp, hidden, inter), ROUTED_EXPERTS, tp_dim=2, expert_dim=0),
+            TensorSpec(p + "mlp.experts.down_proj_bias", (n_exp, hidden), ROUTED_EXPERTS, expert_dim=0),
+        ]
+        tensors += layer_norms(p, hidden)
+        sliding = types[i] == "sliding_attention"
+        layers.append(LayerSpec(i, "sliding" if sliding else "gqa", "moe", tuple(tensors), window if sliding else None))
+    moe_spec = MoESpec(
+        num_experts=n_exp, top_k=top_k, shared_experts=0, intermediate_size=inter, shared_intermediate_size=0,
+        routing="topk_softmax",
+    )
+    return dict(
+        family="gpt_oss", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        intermediate_size=inter, layers=tuple(layers), moe=moe_spec, sliding_window=window,
+    )
+
+
+def _build_qwen3_5_moe(cfg: Config) -> dict[str, Any]:
+    hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
+    kv, hd = cfg.int("num_key_value_heads"), cfg.int("head_dim", hidden // heads)
+    n_exp, top_k, moe_inter = cfg.int("num_experts"), cfg.int("num_experts_per_tok"), cfg.int("moe_intermediate_size")
+    shared_inter = cfg.int("shared_expert_intermediate_size", 0)
+    la = LinearAttentionSpec(
+        num_key_heads=cfg.int("linear_num_key_heads"), num_value_heads=cfg.int("linear_num_value_heads"),
+        key_head_dim=cfg.int("linear_key_head_dim"), value_head_dim=cfg.int("linear_value_head_dim"),
+        conv_kernel=cfg.int("linear_conv_kernel_dim", 4),
+    )
+    interval = cfg.int("full_attention_interval", 4)
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+    ]
+    gate = bool(cfg.get("attn_output_gate", True))
+    layers = []
+    prefix = "model.language_model."
+    for i in range(n_layers):
+        p = f"{prefix}layers.{i}."
+        if types[i] == "full_attention":
+            tensors = gated_attention_tensors(p + "self_attn.", hidden, heads, kv, hd, gate)
+            kind = "gated_attention"
+        else:
+            tensors = gated_deltanet_tensors(p + "linear_attn.", hidden, la)
+            kind = "gated_deltanet"
+        m = p + "mlp."
+        tensors.append(rep(m + "gate.weight", (n_exp, hidden), ROUTER))
+        tensors += experts(m + "experts.", hidden, moe_inter, n_exp)
+        if shared_inter:
+            tensors += swiglu(m + "shared_expert.", hidden, shared_inter, SHARED_EXPERTS)
+            tensors.append(rep(m + "shared_expert_gate.weight", (1, hidden), ROUTER))
+        tensors += layer_norms(p, hidden)
+        layers.append(LayerSpec(i, kind, "moe", tuple(tensors)))
+    moe_spec = MoESpec(
+        num_experts=n_exp, top_k=top_k, shared_experts=1 if shared_inter else 0, intermediate_size=moe_inter,
+        shared_intermediate_size=shared_inter, routing="softmax_topk", norm_topk_prob=True,
+    )
+    return dict(
+        family="qwen3_5_moe", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        intermediate_size=cfg.int("moe_intermediate_size"), layers=tuple(layers), moe=moe_spec,
+        linear_attention=la, prefix=prefix,
+    )
+
+
+def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
+    """Kimi K3 / Kimi Linear: KDA linear-attention layers + (gated) MLA layers, latent MoE.
+
+    Tensor names follow transformers' kimi_linear. Two choices the config does not pin down,
+    taken so the totals match the published checkpoint (1453.7 GiB, dense trunk 108.81 GB):
+    ``use_full_rank_gate`` makes the KDA forget gate one full-rank [heads·dim, hidden]
+    projection (f_proj) while the output gate stays low rank (g_a/g_b); the latent down/up
+    projections and the latent norm stay BF16 with the rest of the non-expert weights.
+    """
+    hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
+    inter, moe_inter = cfg.int("intermediate_size"), cfg.int("moe_intermediate_size")
+    n_exp = cfg.int("num_experts")
+    top_k = cfg.int("num_experts_per_token", cfg.get("num_experts_per_tok", 0))
+    n_shared = cfg.int("num_shared_experts", 0)
+    first_dense = cfg.int("first_k_dense_replace", 0)
+    latent = cfg.get("routed_expert_hidden_size") or hidden
+    mla = _mla_spec(cfg)
+    lac = cfg.req("linear_attn_config")
+    kda_heads, kda_dim = int(lac["num_heads"]), int(lac["head_dim"])
+    conv = int(lac.get("short_conv_kernel_size", 4))
+    full_rank_gate = bool(lac.get("use_full_rank_gate", False))
+    full_layers = {int(i) - 1 for i in lac.get("full_attn_layers", [])}  # the config is 1-based
+    gated_mla = bool(cfg.get("mla_use_output_gate", False))
+    la = LinearAttentionSpec(
+        num_key_heads=kda_heads, num_value_heads=kda_heads, key_head_dim=kda_dim, value_head_dim=kda_dim,
+        conv_kernel=conv,
+    )
+    layers = []
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if i in full_layers:
+            tensors = mla_tensors(a, hidden, heads, mla, gated=gated_mla)
+            kind = "gated_mla" if gated_mla else "mla"
+        else:
+            tensors = kda_tensors(a, hidden, la, full_rank_gate)
+            kind = "kda"
+        moe = i >= first_dense
+        m = p + "mlp."
+        if moe:
+            tensors += [
+                rep(m + "gate.weight", (n_exp, hidden), ROUTER),
+                rep(m + "gate.e_score_correction_bias", (n_exp,), ROUTER),
+            ]
+            if latent != hidden:
+                tensors += [
+                    # Column-parallel down (then an all-gather of the latent), row-parallel up
+                    # (after a reduce-scatter of the routed output): see perf.core.
+                    col(m + "latent_down_proj.weight", latent, hidden, LATENT_PROJ),
+                    row(m + "latent_up_proj.weight", hidden, latent, LATENT_PROJ),
+                ]
+                if cfg.get("latent_moe_use_norm", False):
+                    tensors.append(norm(m + "latent_norm.weight", latent))
+            tensors += experts(m + "experts.", latent, moe_inter, n_exp, names=("w1", "w3", "w2"))
+            if n_shared:
+                tensors += swiglu(m + "shared_experts.", hidden, moe_inter * n_shared, SHARED_EXPERTS)
+        else:
+            tensors += swiglu(m, hidden, inter, DENSE_MLP)
+        tensors += layer_norms(p, hidden)
+        layers.append(LayerSpec(i, kind, "moe" if moe else "dense", tuple(tensors)))
+    moe_spec = MoESpec(
+        num_experts=n_exp, top_k=top_k, shared_experts=n_shared, intermediate_size=moe_inter,
+        shared_intermediate_size=moe_inter * n_shared, routing="sigmoid_grouped",
+        n_group=cfg.int("num_expert_group", 1), topk_group=cfg.int("topk_group", 1),
+        norm_topk_prob=bool(cfg.get("moe_renormalize", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        latent_size=latent if latent != hidden else None,
+    )
+    return dict(
+        family="kimi_linear", num_layers=n_layers, num_heads=heads, num_kv_heads=heads,
+        head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, intermediate_size=inter, layers=tuple(layers),
+        moe=moe_spec, mla=mla, linear_attention=la,
+    )
+
+
+BUILDERS = {
+    "llama": _build_llama,
+    "qwen3_moe": _build_qwen3_moe,
+    "olmoe": _build_qwen3_moe,
+    "deepseek_v2": _build_deepseek,
+    "deepseek_v3": _build_deepseek,
+    "kimi_k2": _build_deepseek,
+    "gpt_oss": _build_gpt_oss,
+    "qwen3_5_moe": _build_qwen3_5_moe,
+    "qwen3_5_moe_text": _build_qwen3_5_moe,
+    "kimi_k3": _build_kimi_linear,
+    "kimi_linear": _build_kimi_linear,
+}
+"""Builder per ``model_type`` (the text config's, else the outer config's)."""

@@ -1,0 +1,149 @@
+"""Parse a Hugging Face config.json (or a bundled catalog key) into a ModelSpec.
+
+The text model only: configs that wrap it (Kimi K3, Qwen3.5's vision-language wrapper) are read
+through their ``text_config``. The family builders are in ``shardwise.spec.families``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ShardwiseError, unknown_name
+from shardwise.spec.families import BUILDERS, Config
+from shardwise.spec.model import ModelSpec
+from shardwise.spec.tensors import (
+    ATTENTION,
+    DENSE_MLP,
+    EMBEDDING,
+    LINEAR_ATTENTION,
+    LM_HEAD,
+    MATMUL_GROUPS,
+    NORM,
+    ROUTED_EXPERTS,
+    SHARED_EXPERTS,
+    TensorSpec,
+)
+
+_CATALOG_PACKAGE = "shardwise.spec.catalog.models"
+
+
+def catalog_models() -> list[str]:
+    """Keys of the bundled model configs (file names without .json)."""
+    files = resources.files(_CATALOG_PACKAGE).iterdir()
+    return sorted(p.name[: -len(".json")] for p in files if p.name.endswith(".json"))
+
+
+def load_model(name_or_path: str | Path) -> ModelSpec:
+    """A ModelSpec from a catalog key (``kimi-k3``), a config.json path or a checkpoint folder."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists():
+        if not path.exists():
+            raise ShardwiseError(f"model config '{path}' does not exist: pass a catalog key or a config.json path")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ShardwiseError(f"model config '{path}' is not valid JSON (line {exc.lineno}): {exc.msg}") from None
+        return parse_config(config, name=path.parent.name if path.name == "config.json" else path.stem)
+    key = str(name_or_path)
+    known = catalog_models()
+    if key not in known:
+        raise unknown_name("model", key, known)
+    text = resources.files(_CATALOG_PACKAGE).joinpath(f"{key}.json").read_text()
+    return parse_config(json.loads(text), name=key)
+
+
+
+def parse_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
+    """Parse a Hugging Face config dict into a ModelSpec (raises ShardwiseError on bad input)."""
+    if not isinstance(config, Mapping):
+        raise ShardwiseError("config.json must be a JSON object")
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ShardwiseError("config.json is missing 'model_type': this is not a Hugging Face model config")
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else None
+    if model_type in ("kimi_k3", "qwen3_5_moe") and text is None:
+        raise ShardwiseError(f"config.json ({model_type}) is missing 'text_config'")
+    data = dict(text) if text is not None else dict(config)
+    inner_type = data.get("model_type", model_type)
+    builder = BUILDERS.get(inner_type) or BUILDERS.get(model_type)
+    if builder is None:
+        raise ShardwiseError(
+            f"unsupported model_type '{model_type}': shardwise reads {', '.join(BUILDERS)}"
+        )
+    cfg = Config(data, model_type)
+    spec_kwargs = builder(cfg)
+    hidden = cfg.int("hidden_size")
+    vocab = cfg.int("vocab_size")
+    tie = bool(config.get("tie_word_embeddings", data.get("tie_word_embeddings", False)))
+    prefix = spec_kwargs.pop("prefix", "model.")
+    globals_ = [TensorSpec(f"{prefix}embed_tokens.weight", (vocab, hidden), EMBEDDING, tp_dim=0, tp_pad=True)]
+    globals_.append(TensorSpec(f"{prefix}norm.weight", (hidden,), NORM))
+    if not tie:
+        globals_.append(TensorSpec("lm_head.weight", (vocab, hidden), LM_HEAD, tp_dim=0, tp_pad=True))
+    dtype = _dtype_name(data.get("torch_dtype") or data.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    quant_method, formats = _quant_formats(data.get("quantization_config") or config.get("quantization_config"))
+    return ModelSpec(
+        name=name,
+        model_type=model_type,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        globals=tuple(globals_),
+        tie_word_embeddings=tie,
+        dtype=dtype,
+        quant_formats=formats,
+        quant_method=quant_method,
+        max_position_embeddings=cfg.get("max_position_embeddings", 0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        config=data,
+        **spec_kwargs,
+    )
+
+
+def _dtype_name(value: str) -> str:
+    value = str(value).replace("torch.", "")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(value, "bf16")
+
+
+def _quant_formats(qc: Mapping[str, Any] | None) -> tuple[str | None, dict[str, str]]:
+    """Format per tensor group from a ``quantization_config`` (empty when unquantized)."""
+    if not qc:
+        return None, {}
+    method = qc.get("quant_method")
+    if method == "mxfp4":  # gpt-oss: experts MXFP4, modules_to_not_convert stay BF16
+        return method, {ROUTED_EXPERTS: "mxfp4"}
+    if method == "fp8":  # DeepSeek-V3 block FP8: every linear except router, embeddings, head
+        return method, {g: "fp8" for g in MATMUL_GROUPS}
+    if method == "compressed-tensors":
+        fmt = qc.get("format", "")
+        if "mxfp4" in fmt:
+            name = "mxfp4"
+        elif "nvfp4" in fmt:
+            name = "nvfp4"
+        elif "float-quantized" in fmt:
+            name = "fp8"
+        elif "pack-quantized" in fmt:
+            name = "int4-g128"
+        else:
+            raise ShardwiseError(f"quantization_config format '{fmt}' is not supported: use mxfp4, nvfp4 or fp8")
+        ignore = [p[3:] for p in qc.get("ignore", []) if isinstance(p, str) and p.startswith("re:")]
+        # A representative module name per group; a group is quantized unless an ignore rule hits it.
+        probes = {
+            ATTENTION: "model.layers.1.self_attn.o_proj",
+            LINEAR_ATTENTION: "model.layers.1.self_attn.o_proj",
+            DENSE_MLP: "model.layers.0.mlp.down_proj",
+            SHARED_EXPERTS: "model.layers.1.mlp.shared_experts.down_proj",
+            ROUTED_EXPERTS: "model.layers.1.mlp.experts.0.w2",
+        }
+        formats = {g: name for g, probe in probes.items() if not any(re.match(p, probe) for p in ignore)}
+        return method, formats
+    raise ShardwiseError(
+        f"quantization_config quant_method '{method}' is not supported: shardwise reads mxfp4, fp8, compressed-tensors"
+    )
+

@@ -1,0 +1,46 @@
+"""Helpers shared by the tests: the ``shardwise`` command run as a user runs it.
+
+Tests import them by name (pytest puts this folder on ``sys.path``)::
+
+    from conftest import cli_json, run_cli
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+CLI_TIMEOUT_S = 300  # the longest any test allowed one command (validate, report, sweep)
+
+
+def cli_argv(*args: str) -> list[str]:
+    """The command line of ``shardwise ARGS`` (for a test that needs ``Popen``)."""
+    return [sys.executable, "-m", "shardwise", *args]
+
+
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a CLI test runs in: the inherited one, this checkout's ``src`` first on the
+    path, ``COLUMNS`` fixed wide so that rich's tables come out the same whatever terminal runs the
+    tests (captured output is not a terminal; rich would use the caller's COLUMNS or 80), then ``env``."""
+    return {**os.environ, "PYTHONPATH": SRC, "COLUMNS": "250", **(env or {})}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python -m shardwise ARGS`` in a subprocess (``cli_env(env)``); stdout and stderr captured as text."""
+    return subprocess.run(cli_argv(*args), capture_output=True, text=True, timeout=timeout, env=cli_env(env))
+
+
+def cli_json(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S) -> dict:
+    """``shardwise ARGS --json``, which must exit 0; its stdout parsed."""
+    proc = run_cli(*args, "--json", env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def plan_json(*args: str) -> dict:
+    """``shardwise plan ARGS --json``, which must exit 0; its document."""
+    return cli_json("plan", *args)
