@@ -40,9 +40,7 @@ def core_rate(model_name: str, max_boxes: int, repeats: int = 5) -> tuple[int, f
     alpha = np.array([lk.latency_s for lk in links])[None, None, :]
     beta = np.array([lk.bandwidth_gbps * GB for lk in links])[None, None, :]
     net = np.array([lk.kind in ("tcp", "rdma") for lk in links])[None, None, :]
-    kwargs = dict(link_network=net, allreduce=prof.allreduce, mem_efficiency=prof.mem_efficiency,
-                  compute_efficiency=prof.compute_efficiency, step_overhead_s=prof.step_overhead_s,
-                  collective_overhead_s=prof.collective_overhead_s)
+    kwargs = dict(link_network=net, profile=prof)
     core.evaluate(model, table, layout, bw, peak, mem, alpha, beta, 4096, **kwargs)  # warm caches
     t0 = time.perf_counter()
     for _ in range(repeats):

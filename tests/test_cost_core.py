@@ -9,7 +9,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.perf import collectives
 from shardwise.perf.memory import rank_cache_bytes, rank_weight_bytes
 from shardwise.perf.profiles import load_profiles
-from shardwise.plan import ParallelPlan, rank_param_counts, shard_slice, validate_plan
+from shardwise.plan import ParallelPlan, rank_param_counts, shard_slice, valid_tp_degrees, validate_plan
 from shardwise.spec.mixers import MIXERS
 from shardwise.spec.parse import catalog_models, load_model, parse_config
 
@@ -120,3 +120,13 @@ def test_sweep_front_rows_pass_the_runtimes_check():
             check_runnable(m, plan)
             checked += 1
     assert checked >= 3
+
+
+def test_every_split_is_whole_units():
+    # 12 heads divide by 3, but the MLP's 128 rows do not: refused, not 3 x 42 rows with 2 dropped
+    m = parse_config({"model_type": "llama", "hidden_size": 48, "num_attention_heads": 12, "num_key_value_heads": 12,
+                      "num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 100}, name="uneven")
+    with pytest.raises(ShardwiseError, match="128 rows of 'model.layers.0.mlp.gate_proj.weight'.*--tp 4"):
+        validate_plan(m, ParallelPlan(tp=3))
+    # Kimi K3's 3584-wide latent projections rule out every multiple of 3 its 96 heads would allow
+    assert valid_tp_degrees(load_model("kimi-k3")) == [1, 2, 4, 8, 16, 32]

@@ -194,7 +194,7 @@ def test_errors_are_one_line_without_traceback(args, message):
 
 def test_not_fitting_says_how_many_boxes_would():
     proc = run_cli("plan", "--boxes", "4")
-    assert proc.returncode == 2 and "it needs 15 boxes" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "it needs 16 boxes" in proc.stderr, proc.stderr
     # the shortfall is a positive amount: weights + cache + workspace + reserve less 128 GB
     from shardwise.perf.estimate import estimate
     from shardwise.perf.scenario import build_scenario
@@ -203,9 +203,12 @@ def test_not_fitting_says_how_many_boxes_would():
     sc = build_scenario("kimi-k3", "dgx-spark", 4, "100g-roce", None, None, None, 4096, 2048, 0, None, None, "vllm",
                         None, None, None, None, "bf16")
     assert short > 0 and short == pytest.approx(-estimate(sc)["memory"]["free_bytes"] / 1e9, abs=0.05)
-    # and 15 is the fewest that hold it (TP3 x PP5): 14 hold its bytes, but no layout of 14 does
-    assert plan_json("--boxes", "15")["memory"]["fits"]
-    assert run_cli("plan", "--boxes", "14").returncode == 2
+    # and 16 is the fewest that hold it: 15 boxes hold its bytes, but TP3 x PP5 would cut the
+    # 3584-wide latent projections into thirds and TP1 x PP15 does not fit
+    assert plan_json("--boxes", "16")["memory"]["fits"]
+    fifteen = run_cli("plan", "--boxes", "15")
+    assert fifteen.returncode == 2 and "does not fit" in fifteen.stderr, fifteen.stderr
+    assert run_cli("plan", "--boxes", "15", "--tp", "3").returncode == 2
 
 
 DRAFTED = ["--model", "llama-3.1-405b", "--boxes", "16", "--spec-tokens", "4", "--workload", "code-edit"]

@@ -76,19 +76,36 @@ def _nearest(value: int, candidates: list[int]) -> int:
 
 
 def valid_tp_degrees(model: ModelSpec) -> list[int]:
-    """TP degrees the model's heads accept (attention heads divisible; KV heads divisible or replicable)."""
-    out = []
-    for tp in range(1, model.num_heads + 1):
-        if model.num_heads % tp:
-            continue
-        kv = model.num_kv_heads
-        if kv % tp and tp % kv:
-            continue
-        la = model.linear_attention
-        if la is not None and (la.num_value_heads % tp or la.num_key_heads % tp and tp % la.num_key_heads):
-            continue
-        out.append(tp)
-    return out
+    """TP degrees the model accepts (``tp_problem`` finds nothing)."""
+    splits = _split_tensors(model)
+    return [tp for tp in range(1, model.num_heads + 1) if _tp_problem(model, tp, splits) is None]
+
+
+def _split_tensors(model: ModelSpec) -> list[TensorSpec]:
+    """The non-expert tensors TP splits into whole units (one layer per structure, and the
+    globals); padded (vocabulary) tensors need no whole cut."""
+    return [t for t in model.distinct_tensors if t.tp_dim is not None and not t.is_routed and not t.tp_pad]
+
+
+def _tp_problem(model: ModelSpec, tp: int, splits: list[TensorSpec]) -> str | None:
+    """Why ``tp`` cannot cut ``model``, or None: attention heads must divide (KV heads divide or
+    replicate), linear-attention value heads divide (key heads divide or replicate), and every
+    other TP-split tensor is cut into whole units (heads, channels) or replicated."""
+    if model.num_heads % tp:
+        return f"{model.num_heads} attention heads"
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        return f"{kv} KV heads"
+    la = model.linear_attention
+    if la is not None and la.num_value_heads % tp:
+        return f"{la.num_value_heads} linear-attention value heads"
+    if la is not None and la.num_key_heads % tp and tp % la.num_key_heads:
+        return f"{la.num_key_heads} linear-attention key heads"
+    for t in splits:
+        units = t.shape[t.tp_dim] // t.tp_unit
+        if units % tp and not (units < tp and tp % units == 0):
+            return f"{units} {'units of ' + str(t.tp_unit) if t.tp_unit > 1 else 'rows'} of '{t.name}'"
+    return None
 
 
 def validate_plan(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, str] | None = None) -> None:
@@ -104,12 +121,12 @@ def validate_plan(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, st
     for name, value in (("tp", plan.tp), ("ep", plan.ep), ("pp", plan.pp)):
         if value < 1:
             raise ShardwiseError(f"--{name} must be >= 1, got {value}")
-    tps = valid_tp_degrees(model)
-    if plan.tp not in tps:
-        near = _nearest(plan.tp, tps)
+    problem = _tp_problem(model, plan.tp, _split_tensors(model)) if plan.tp <= model.num_heads else "its heads"
+    if problem is not None:
+        tps = valid_tp_degrees(model)
         raise ShardwiseError(
-            f"--tp {plan.tp} does not divide {model.name}'s {model.num_heads} attention heads / "
-            f"{model.num_kv_heads} KV heads: nearest valid is --tp {near} (valid: {', '.join(map(str, tps))})"
+            f"--tp {plan.tp} does not divide {model.name}'s {problem}: nearest valid is --tp "
+            f"{_nearest(plan.tp, tps)} (valid: {', '.join(map(str, tps))})"
         )
     if plan.ep > 1 and model.moe is None:
         raise ShardwiseError(f"--ep {plan.ep} needs routed experts but {model.name} is dense: use --ep 1")
@@ -144,18 +161,16 @@ def _check_expert_blocks(model: ModelSpec, plan: ParallelPlan, formats: Mapping[
     fmt = get_format(formats.get(ROUTED_EXPERTS, model.dtype))
     if not fmt.block_size or fmt.block_size > PACKED_BLOCK_MAX:
         return
-    for layer in model.layers:
-        for tensor in layer.tensors:
-            if not tensor.is_routed or len(tensor.shape) - (tensor.expert_dim is not None) < 2:
-                continue
-            full, local = tensor.shape[-1], shard_shape(tensor, plan, 0)[-1]
-            if full % fmt.block_size == 0 and local % fmt.block_size:
-                raise ShardwiseError(
-                    f"{fmt.name} tensor '{tensor.name}' would be split into {local}-element slices of its {full} "
-                    f"inputs at --tp {plan.tp} --ep {plan.ep}, expected a multiple of {fmt.block_size} (whole blocks): "
-                    f"use --ep {plan.tp}"
-                )
-        return  # every MoE layer has the same expert shapes
+    for tensor in model.distinct_tensors:
+        if not tensor.is_routed or len(tensor.shape) - (tensor.expert_dim is not None) < 2:
+            continue
+        full, local = tensor.shape[-1], shard_shape(tensor, plan, 0)[-1]
+        if full % fmt.block_size == 0 and local % fmt.block_size:
+            raise ShardwiseError(
+                f"{fmt.name} tensor '{tensor.name}' would be split into {local}-element slices of its {full} "
+                f"inputs at --tp {plan.tp} --ep {plan.ep}, expected a multiple of {fmt.block_size} (whole blocks): "
+                f"use --ep {plan.tp}"
+            )
 
 
 def is_valid_plan(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, str] | None = None) -> bool:

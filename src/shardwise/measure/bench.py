@@ -161,7 +161,7 @@ def predict(spec, tp: int, ep: int, dtype: str, context_tokens: int, probe: dict
     elem = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}[fmt]
     sc = Scenario(
         model=spec, box=box, boxes=tp, link=link, plan=ParallelPlan(tp=tp, ep=ep),
-        formats={g: fmt for g in spec.group_formats()}, profile=profile, context_tokens=context_tokens,
+        formats=spec.run_formats(fmt), profile=profile, context_tokens=context_tokens,
         kv_bytes=elem,
     )
     tok_per_s, plain, _, _ = decode_speed(sc)

@@ -30,6 +30,7 @@ import numpy as np
 
 from shardwise.perf import collectives
 from shardwise.perf.imbalance import distinct_experts, expected_max_load_tokens
+from shardwise.perf.profiles import RuntimeProfile
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.plan import ParallelPlan, held_numel, picked_expert_numel, stage_globals
 from shardwise.spec.model import EMBEDDING, LM_HEAD, TENSOR_GROUPS, LayerSpec, ModelSpec
@@ -44,6 +45,8 @@ WORKSPACE_HIDDEN_BUFFERS = 8  # ... as this many hidden-wide buffers plus the lo
 WORKSPACE_ELEMENT_BYTES = 4.0  # ... in float32
 
 _GROUP = {g: i for i, g in enumerate(TENSOR_GROUPS)}
+ROOFLINE = RuntimeProfile("roofline", "pure roofline: peak bandwidth and FLOPS, no software overhead", 1.0, 1.0, 0.0, 0.0,
+                          ("ring", "rd", "oneshot", "tree"))
 
 
 @dataclass(frozen=True)
@@ -225,17 +228,20 @@ def build_layout_table(
     )
 
 
-def stage_bytes(table: LayoutTable, context_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def stage_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(weights, cache) one rank of each stage holds at ``context_tokens`` (bytes, (P, S);
-    weights -inf on padding stages)."""
+    weights -inf on padding stages). A sliding-window layer holds its window plus the positions
+    one step writes beyond the first (``step_tokens``: 1 plain, k+1 for a speculative verify),
+    the runtime's ring buffer, never more than the context."""
     c = table.counts
-    per_layer = c.cache_bytes_per_ctx * np.minimum(float(context_tokens), c.window_tokens) + c.state_bytes
+    held = np.minimum(float(context_tokens), c.window_tokens + (step_tokens - 1))
+    per_layer = c.cache_bytes_per_ctx * held + c.state_bytes
     return table.stage_weights_bytes, _stage_sum(per_layer, c)
 
 
-def fullest_rank_bytes(table: LayoutTable, context_tokens: int) -> np.ndarray:
+def fullest_rank_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1) -> np.ndarray:
     """Weights + cache of each layout's fullest rank at ``context_tokens`` (bytes, per layout)."""
-    weights, cache = stage_bytes(table, context_tokens)
+    weights, cache = stage_bytes(table, context_tokens, step_tokens)
     return np.max(weights + cache, axis=1)
 
 
@@ -315,6 +321,20 @@ def collective_figures(model: ModelSpec, counts: LayoutCounts, layout, alpha_s, 
     }
 
 
+def _rates(mem_bandwidth_bytes_per_s, peak_flops, profile: RuntimeProfile) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes/s, FLOP/s) the profile's runtime reaches on these boxes."""
+    return (np.asarray(mem_bandwidth_bytes_per_s, dtype=float) * profile.mem_efficiency,
+            np.asarray(peak_flops, dtype=float) * profile.compute_efficiency)
+
+
+def _collective_s(model, counts, layout, alpha_s, beta_bytes_per_s, positions, profile: RuntimeProfile, link_network,
+                  sampled_positions: int | None = None) -> np.ndarray:
+    """α-β seconds of a step's collectives plus the profile's software cost per call on network links."""
+    coll = collective_figures(model, counts, layout, alpha_s, beta_bytes_per_s, positions, profile.allreduce,
+                              sampled_positions=sampled_positions)
+    return coll["seconds"] + coll["calls"] * np.where(link_network, profile.collective_overhead_s, 0.0)
+
+
 def _layer_max(values_a: np.ndarray, rate_a, values_b: np.ndarray, rate_b, layout: np.ndarray) -> np.ndarray:
     """Σ over layers of max(a / rate_a, b / rate_b), exact per layer, on the broadcast shape of
     (layout, rate_a, rate_b)."""
@@ -334,12 +354,8 @@ def evaluate(
     link_beta_bytes_per_s: np.ndarray,
     context_tokens: int,
     *,
+    profile: RuntimeProfile = ROOFLINE,
     link_network: np.ndarray | bool = True,
-    mem_efficiency: float = 1.0,
-    compute_efficiency: float = 1.0,
-    step_overhead_s: float = 0.0,
-    collective_overhead_s: float = 0.0,
-    allreduce: tuple[str, ...] = ("ring", "rd", "oneshot", "tree"),
     reserve_fraction: float = 0.10,
     spec_tokens: int = 0,
     acceptance: float = 0.0,
@@ -350,7 +366,8 @@ def evaluate(
 
     ``layout`` indexes ``table``; box figures (bytes/s, FLOP/s, bytes) and link figures
     (seconds, bytes/s; ``link_network`` True for tcp/rdma links, whose collectives pay the
-    profile's per-call ``collective_overhead_s``) broadcast against it. With ``spec_tokens``
+    profile's per-call ``collective_overhead_s``) broadcast against it; ``profile`` gives the
+    runtime's efficiencies, overheads and all-reduce algorithms. With ``spec_tokens``
     k > 0 the step is a verify pass over k+1 positions yielding ``tokens_per_step(k, acceptance)``
     tokens; ``drafting_s`` (seconds per verify step a draft model takes, broadcast against the
     box figures) adds to it and ``replicated_bytes`` (the draft's weights and cache) to every
@@ -361,17 +378,18 @@ def evaluate(
     positions = spec_tokens + 1 if spec_tokens else 1
     layout = np.asarray(layout)
     fig = step_figures(model, table, context_tokens, positions)
-    bw = np.asarray(mem_bandwidth_bytes_per_s, dtype=float) * mem_efficiency
-    peak = np.asarray(peak_flops, dtype=float) * compute_efficiency
+    bw, peak = _rates(mem_bandwidth_bytes_per_s, peak_flops, profile)
     layers_s = _layer_max(fig.nbytes, bw, fig.flops, peak, layout)
     memory_s = fig.nbytes.sum(axis=1)[layout] / bw
     compute_s = fig.flops.sum(axis=1)[layout] / peak
-    coll = collective_figures(model, table.counts, layout, link_alpha_s, link_beta_bytes_per_s, positions, allreduce)
-    collective_s = coll["seconds"] + coll["calls"] * np.where(link_network, collective_overhead_s, 0.0)
+    collective_s = _collective_s(model, table.counts, layout, link_alpha_s, link_beta_bytes_per_s, positions, profile,
+                                 link_network)
+    step_overhead_s = profile.step_overhead_s
     step_s = layers_s + collective_s + step_overhead_s
     tokens = tokens_per_step(spec_tokens, acceptance) if spec_tokens else 1.0
     box_bytes = np.asarray(box_bytes, dtype=float)
-    used = (fullest_rank_bytes(table, context_tokens) + table.counts.workspace_bytes)[layout] + reserve_fraction * box_bytes
+    used = (fullest_rank_bytes(table, context_tokens, positions) + table.counts.workspace_bytes)[layout]
+    used = used + reserve_fraction * box_bytes
     used = used + replicated_bytes
     # The largest of (memory or compute, collectives, host overhead, drafting), first on ties, as estimate() names it.
     mem_first = memory_s >= compute_s
@@ -404,12 +422,8 @@ def evaluate_prefill(
     link_beta_bytes_per_s: np.ndarray,
     prompt_tokens: int,
     *,
+    profile: RuntimeProfile = ROOFLINE,
     link_network: np.ndarray | bool = True,
-    mem_efficiency: float = 1.0,
-    compute_efficiency: float = 1.0,
-    step_overhead_s: float = 0.0,
-    collective_overhead_s: float = 0.0,
-    allreduce: tuple[str, ...] = ("ring", "rd", "oneshot", "tree"),
 ) -> dict[str, np.ndarray]:
     """Prefill of ``prompt_tokens`` in one pass, vectorized.
 
@@ -430,14 +444,12 @@ def evaluate_prefill(
     flops = 2 * p_tok * c.dense_matmul_numel + np.where(moe, 2 * uses * c.expert_matmul_numel, 0.0)
     flops = flops + p_tok * (c.attn_flops_per_ctx * ctx / 2 + c.attn_flops_const)
     nbytes = table.dense_bytes + np.where(moe, local * table.expert_bytes, 0.0)
-    bw = np.asarray(mem_bandwidth_bytes_per_s, dtype=float) * mem_efficiency
-    peak = np.asarray(peak_flops, dtype=float) * compute_efficiency
+    bw, peak = _rates(mem_bandwidth_bytes_per_s, peak_flops, profile)
     compute_s = _layer_max(flops, peak, nbytes, bw, layout)
     compute_s = compute_s + (2 * p_tok * model.hidden_size * c.vocab_rows)[layout] / peak
-    coll = collective_figures(model, c, layout, link_alpha_s, link_beta_bytes_per_s, prompt_tokens, allreduce,
-                              sampled_positions=1)
-    comm = coll["seconds"] + coll["calls"] * np.where(link_network, collective_overhead_s, 0.0)
-    total = compute_s + comm + step_overhead_s
+    comm = _collective_s(model, c, layout, link_alpha_s, link_beta_bytes_per_s, prompt_tokens, profile, link_network,
+                         sampled_positions=1)
+    total = compute_s + comm + profile.step_overhead_s
     return {
         "tok_per_s": p_tok / total,
         "compute_s": compute_s,

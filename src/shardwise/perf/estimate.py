@@ -266,7 +266,7 @@ def estimate(sc: Scenario) -> dict:
         }
 
     fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction,
-                     draft_bytes(sc.draft, ctx, sc.kv_bytes))
+                     draft_bytes(sc.draft, ctx, sc.kv_bytes), step_tokens=sc.spec_tokens + 1)
     prefill = prefill_speed(sc, table, hw)
     power = _power(sc, tok_per_s)
     cost = _cost(sc, tok_per_s)
@@ -326,9 +326,7 @@ def prefill_speed(sc: Scenario, table: core.LayoutTable, hw: Hardware) -> dict:
     prof = sc.profile
     out = core.evaluate_prefill(
         sc.model, table, 0, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, hw.link_alpha_s, hw.link_beta_bytes_per_s,
-        sc.prompt_tokens, link_network=hw.network, mem_efficiency=prof.mem_efficiency,
-        compute_efficiency=prof.compute_efficiency, step_overhead_s=prof.step_overhead_s,
-        collective_overhead_s=prof.collective_overhead_s, allreduce=prof.allreduce,
+        sc.prompt_tokens, profile=prof, link_network=hw.network,
     )
     return {
         "prompt_tokens": sc.prompt_tokens, "tok_per_s": float(out["tok_per_s"]), "compute_s": float(out["compute_s"]),

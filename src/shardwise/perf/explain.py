@@ -35,9 +35,7 @@ def explain(result: SweepResult, req: SweepRequest, model: str, box: str, boxes:
         spec, table, np.arange(len(plans)), box_obj.memory_bandwidth_gbps * GB, box_obj.tflops_bf16 * 1e12,
         box_obj.memory_gb * GB, message_latency_s(link_obj, prof) if link_obj else 0.0,
         link_obj.bandwidth_gbps * GB if link_obj else 1.0, req.context_tokens,
-        link_network=bool(link_obj and link_obj.kind in ("tcp", "rdma")), allreduce=prof.allreduce,
-        mem_efficiency=prof.mem_efficiency, compute_efficiency=prof.compute_efficiency,
-        step_overhead_s=prof.step_overhead_s, collective_overhead_s=prof.collective_overhead_s,
+        profile=prof, link_network=bool(link_obj and link_obj.kind in ("tcp", "rdma")),
         reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens, acceptance=req.acceptance,
         drafting_s=drafting[0], replicated_bytes=replicated,
     )

@@ -66,29 +66,31 @@ def rank_weight_bytes(model: ModelSpec, plan: ParallelPlan, formats_bits: dict[s
     return weight_bytes(rank_param_counts(model, plan, rank), formats_bits)
 
 
-def rank_cache_bytes(model: ModelSpec, plan: ParallelPlan, context_tokens: int, kv_bytes: float, rank: int) -> float:
+def rank_cache_bytes(model: ModelSpec, plan: ParallelPlan, context_tokens: int, kv_bytes: float, rank: int,
+                     step_tokens: int = 1) -> float:
     """Cache bytes rank ``rank`` holds for one sequence of ``context_tokens`` (the mixer table's
-    figures per layer of its stage: see ``shardwise.spec.mixers``)."""
+    figures per layer of its stage: see ``shardwise.spec.mixers``; ``step_tokens``: positions one
+    step writes, k+1 with k speculative drafts, which sliding-window rings hold beyond the window)."""
     table = core.build_layout_table(model, [plan], {g: 0.0 for g in model.params_by_group}, kv_bytes)
-    return float(core.stage_bytes(table, context_tokens)[1][0, rank // plan.tp])
+    return float(core.stage_bytes(table, context_tokens, step_tokens)[1][0, rank // plan.tp])
 
 
-def _fullest_rank(table: core.LayoutTable, context_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def _fullest_rank(table: core.LayoutTable, context_tokens: int, step_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """(weights, cache) of each layout's fullest rank (bytes, per layout)."""
-    weights, cache = core.stage_bytes(table, context_tokens)
+    weights, cache = core.stage_bytes(table, context_tokens, step_tokens)
     stage = np.argmax(weights + cache, axis=1)[:, None]
     return np.take_along_axis(weights, stage, 1)[:, 0], np.take_along_axis(cache, stage, 1)[:, 0]
 
 
 def _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
-                         replicated_bytes, lowest: int, highest: int) -> int | None:
+                         replicated_bytes, step_tokens: int, lowest: int, highest: int) -> int | None:
     """Smallest box count in [lowest, highest] whose default layout fits, all counts priced at once."""
     tps = valid_tp_degrees(model)
     counts = [n for n in range(lowest, highest + 1) if any(n % t == 0 for t in tps)]
     if not counts:
         return None
     table = core.build_layout_table(model, [default_plan(model, n) for n in counts], formats_bits, kv_bytes)
-    w, kv = _fullest_rank(table, context_tokens)
+    w, kv = _fullest_rank(table, context_tokens, step_tokens)
     used = w + kv + table.counts.workspace_bytes + reserve_fraction * box_bytes + replicated_bytes
     fitting = np.flatnonzero(used <= box_bytes)
     return counts[int(fitting[0])] if len(fitting) else None
@@ -103,11 +105,12 @@ def memory_fit(
     box_bytes: float,
     reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
     replicated_bytes: float = 0.0,
+    step_tokens: int = 1,
 ) -> MemoryFit:
     """Per-box memory of ``plan`` and the minimum box counts for this model on this box
     (``replicated_bytes``: held whole on every box, e.g. a draft model)."""
     table = core.build_layout_table(model, [plan], formats_bits, kv_bytes)
-    w, kv = (float(x[0]) for x in _fullest_rank(table, context_tokens))
+    w, kv = (float(x[0]) for x in _fullest_rank(table, context_tokens, step_tokens))
     work = float(table.counts.workspace_bytes[0])
     reserve = reserve_fraction * box_bytes
     total = total_weight_bytes(model, formats_bits)
@@ -117,7 +120,7 @@ def memory_fit(
     usable = room - reserve - work
     min_boxes = math.ceil((total + whole_cache) / usable) if usable > 0 else 0
     layout_count = _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
-                                        replicated_bytes, max(min_boxes, 1), max(4 * max(min_boxes, 1), 64))
+                                        replicated_bytes, step_tokens, max(min_boxes, 1), max(4 * max(min_boxes, 1), 64))
     return MemoryFit(
         box_bytes=box_bytes, weights_bytes=w, kv_bytes=kv, workspace_bytes=work, reserve_bytes=reserve,
         replicated_bytes=replicated_bytes, total_weight_bytes=total, min_boxes_weights=min_weights,

@@ -156,8 +156,6 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
     if not req.models or not req.boxes or not req.counts or (not req.links and max(req.counts) > 1):
         raise ShardwiseError("nothing to sweep: give at least one model, box, box count and link")
     prof = get_profile(req.runtime)
-    factors = dict(mem_efficiency=prof.mem_efficiency, compute_efficiency=prof.compute_efficiency,
-                   step_overhead_s=prof.step_overhead_s, collective_overhead_s=prof.collective_overhead_s)
     boxes, links = req.boxes, (None, *req.links)
     prices = np.array([box_price(b, req.list_prices)[0] for b in boxes])
     bw = np.array([b.memory_bandwidth_gbps * GB for b in boxes])[None, :, None]
@@ -208,9 +206,9 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
             # the one validity check at this variant's formats (packed expert blocks must not be cut)
             valid = np.array([is_valid_plan(spec, p, variant.format_map) for p in plans])[:, None, None]
             out = core.evaluate(
-                spec, table, layout_idx, bw, peak, mem, alpha, beta, req.context_tokens, link_network=network,
-                allreduce=prof.allreduce, reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens,
-                acceptance=req.acceptance, drafting_s=drafting, replicated_bytes=replicated, **factors,
+                spec, table, layout_idx, bw, peak, mem, alpha, beta, req.context_tokens, profile=prof,
+                link_network=network, reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens,
+                acceptance=req.acceptance, drafting_s=drafting, replicated_bytes=replicated,
             )
             shape = buildable.shape
             tok = np.broadcast_to(out["tok_per_s"], shape)
@@ -247,7 +245,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
             )
             if req.prefill:
                 pf = core.evaluate_prefill(spec, table, layout_idx, bw, peak, alpha, beta, req.prompt_tokens,
-                                           link_network=network, allreduce=prof.allreduce, **factors)
+                                           profile=prof, link_network=network)
                 cols["prefill"] = np.broadcast_to(pf["tok_per_s"], shape)[p_i, b_i, k_i]
                 cols["prefill_bottleneck"] = np.broadcast_to(pf["bottleneck"], shape)[p_i, b_i, k_i]
             acc.add(**cols)

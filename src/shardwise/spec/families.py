@@ -24,6 +24,7 @@ from shardwise.spec.tensors import (
     ATTENTION,
     DENSE_MLP,
     LATENT_PROJ,
+    NORM,
     ROUTED_EXPERTS,
     ROUTER,
     SHARED_EXPERTS,
@@ -164,7 +165,8 @@ def _build_deepseek(cfg: Config) -> dict[str, Any]:
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
     )
     return dict(
-        family="deepseek_v3" if v3 else "deepseek_v2", num_layers=n_layers, num_heads=heads,
+        family="deepseek_v3" if v3 else "deepseek_v2", float32_groups=(ROUTER,) if v3 else (),
+        num_layers=n_layers, num_heads=heads,
         num_kv_heads=heads, head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, intermediate_size=inter,
         layers=tuple(layers), moe=moe_spec, mla=mla,
     )
@@ -201,7 +203,7 @@ def _build_gpt_oss(cfg: Config) -> dict[str, Any]:
         routing="topk_softmax",
     )
     return dict(
-        family="gpt_oss", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        family="gpt_oss", float32_groups=(NORM,), num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
         intermediate_size=inter, layers=tuple(layers), moe=moe_spec, sliding_window=window,
     )
 

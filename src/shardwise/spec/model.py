@@ -113,6 +113,7 @@ class ModelSpec:
     mla: MLASpec | None = None
     linear_attention: LinearAttentionSpec | None = None
     sliding_window: int | None = None
+    float32_groups: tuple[str, ...] = ()  # groups transformers (and the runtime) keep in float32 in any run dtype
     max_position_embeddings: int = 0
     rms_norm_eps: float = 1e-6
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -135,6 +136,13 @@ class ModelSpec:
             key = tuple((t.shape, t.group, t.tp_dim, t.tp_unit, t.experts, t.expert_dim) for t in layer.tensors)
             out.append(ids.setdefault(key, len(ids)))
         return tuple(out)
+
+    @cached_property
+    def distinct_tensors(self) -> tuple[TensorSpec, ...]:
+        """The tensors of one layer per ``layer_structure`` id, then the globals: every distinct
+        shape and split the model has (what layout rules need to look at)."""
+        firsts = {sid: i for i, sid in reversed(list(enumerate(self.layer_structure)))}
+        return tuple(t for i in sorted(firsts.values()) for t in self.layers[i].tensors) + tuple(self.globals)
 
     @cached_property
     def params_by_group(self) -> dict[str, int]:
@@ -178,6 +186,15 @@ class ModelSpec:
         """Quantization format name per tensor group: the checkpoint's, then ``overrides``."""
         formats = {g: self.quant_formats.get(g, self.dtype) for g in TENSOR_GROUPS}
         formats.update(overrides or {})
+        return formats
+
+    def run_formats(self, dtype: str) -> dict[str, str]:
+        """Format per tensor group as the shardwise runtime holds a run in ``dtype`` (a format
+        name: fp32, bf16, fp16): every group at ``dtype`` except ``float32_groups`` (fp32) and
+        routed experts the checkpoint packs in MXFP4, which stay packed."""
+        formats = {g: "fp32" if g in self.float32_groups else dtype for g in TENSOR_GROUPS}
+        if self.quant_formats.get(ROUTED_EXPERTS) == "mxfp4":
+            formats[ROUTED_EXPERTS] = "mxfp4"
         return formats
 
     # ---- cache (one sequence, tp = 1; per-rank figures: shardwise.perf.core) --------------
