@@ -40,11 +40,11 @@ def core_rate(model_name: str, max_boxes: int, repeats: int = 5) -> tuple[int, f
     alpha = np.array([lk.latency_s for lk in links])[None, None, :]
     beta = np.array([lk.bandwidth_gbps * GB for lk in links])[None, None, :]
     net = np.array([lk.kind in ("tcp", "rdma") for lk in links])[None, None, :]
-    kwargs = dict(link_network=net, profile=prof)
-    core.evaluate(model, table, layout, bw, peak, mem, alpha, beta, 4096, **kwargs)  # warm caches
+    hw = core.Hardware(bw, peak, alpha, beta, network=net)
+    core.evaluate(model, table, layout, hw, mem, 4096, profile=prof)  # warm caches
     t0 = time.perf_counter()
     for _ in range(repeats):
-        out = core.evaluate(model, table, layout, bw, peak, mem, alpha, beta, 4096, **kwargs)
+        out = core.evaluate(model, table, layout, hw, mem, 4096, profile=prof)
     seconds = (time.perf_counter() - t0) / repeats
     return int(np.broadcast_to(out["tok_per_s"], (len(plans), len(boxes), len(links))).size), seconds
 

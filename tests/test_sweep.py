@@ -68,11 +68,9 @@ def test_core_equals_scalar_planner(model_name, box_name, link_name):
     context = 32768
     compute_bound = 0
     for spec_tokens in (0, 7):
-        out = core.evaluate(model, table, idx, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, box.memory_gb * GB,
-                            hw.link_alpha_s, hw.link_beta_bytes_per_s, context, profile=prof,
-                            link_network=hw.network, spec_tokens=spec_tokens, acceptance=0.8)
-        pre = core.evaluate_prefill(model, table, idx, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, hw.link_alpha_s,
-                                    hw.link_beta_bytes_per_s, 2048, profile=prof, link_network=hw.network)
+        out = core.evaluate(model, table, idx, hw, box.memory_gb * GB, context, profile=prof,
+                            spec_tokens=spec_tokens, acceptance=0.8)
+        pre = core.evaluate_prefill(model, table, idx, hw, 2048, profile=prof)
         for i, plan in enumerate(plans):
             sc = Scenario(model=model, box=box, boxes=plan.world_size, link=link, plan=plan, formats=formats,
                           profile=prof, context_tokens=context, spec_tokens=spec_tokens,
@@ -106,10 +104,8 @@ def test_core_with_a_draft_model_equals_scalar_planner(box_name, link_name):
                        spec_tokens=4, acceptance=0.8, draft=draft)
     drafting, replicated = draft_terms(req, (box,))
     assert drafting[0] > 0 and replicated > draft.total_params * 2  # bf16 weights plus its cache
-    out = core.evaluate(model, table, np.arange(len(plans)), hw.mem_bandwidth_bytes_per_s, hw.peak_flops,
-                        box.memory_gb * GB, hw.link_alpha_s, hw.link_beta_bytes_per_s, 4096, profile=prof,
-                        link_network=hw.network, spec_tokens=4, acceptance=0.8, drafting_s=drafting[0],
-                        replicated_bytes=replicated)
+    out = core.evaluate(model, table, np.arange(len(plans)), hw, box.memory_gb * GB, 4096, profile=prof,
+                        spec_tokens=4, acceptance=0.8, drafting_s=drafting[0], replicated_bytes=replicated)
     for i, plan in enumerate(plans):
         sc = Scenario(model=model, box=box, boxes=plan.world_size, link=link, plan=plan, formats=formats,
                       profile=prof, spec_tokens=4, acceptance=0.8, draft=draft)

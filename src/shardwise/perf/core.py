@@ -24,7 +24,9 @@ sampling one all-gather of (value, index) pairs; pipeline boundaries one point-t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +49,19 @@ WORKSPACE_ELEMENT_BYTES = 4.0  # ... in float32
 _GROUP = {g: i for i, g in enumerate(TENSOR_GROUPS)}
 ROOFLINE = RuntimeProfile("roofline", "pure roofline: peak bandwidth and FLOPS, no software overhead", 1.0, 1.0, 0.0, 0.0,
                           ("ring", "rd", "oneshot", "tree"))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the cost core needs of the boxes and their link (SI units). Scalars for one cluster,
+    or numpy arrays that broadcast against the layout index (a sweep's boxes × links grid)."""
+
+    mem_bandwidth_bytes_per_s: Any
+    peak_flops: Any
+    link_alpha_s: Any
+    link_beta_bytes_per_s: Any
+    network: Any = True  # a network link (tcp/rdma: collectives pay the per-call software cost), not NVLink/PCIe
+    ring_allreduce_s: Callable[[float], float] | None = None  # ring cost on a real topology (seconds for n bytes)
 
 
 @dataclass(frozen=True)
@@ -321,18 +336,18 @@ def collective_figures(model: ModelSpec, counts: LayoutCounts, layout, alpha_s, 
     }
 
 
-def _rates(mem_bandwidth_bytes_per_s, peak_flops, profile: RuntimeProfile) -> tuple[np.ndarray, np.ndarray]:
+def _rates(hw: Hardware, profile: RuntimeProfile) -> tuple[np.ndarray, np.ndarray]:
     """(bytes/s, FLOP/s) the profile's runtime reaches on these boxes."""
-    return (np.asarray(mem_bandwidth_bytes_per_s, dtype=float) * profile.mem_efficiency,
-            np.asarray(peak_flops, dtype=float) * profile.compute_efficiency)
+    return (np.asarray(hw.mem_bandwidth_bytes_per_s, dtype=float) * profile.mem_efficiency,
+            np.asarray(hw.peak_flops, dtype=float) * profile.compute_efficiency)
 
 
-def _collective_s(model, counts, layout, alpha_s, beta_bytes_per_s, positions, profile: RuntimeProfile, link_network,
+def _collective_s(model, counts, layout, hw: Hardware, positions, profile: RuntimeProfile,
                   sampled_positions: int | None = None) -> np.ndarray:
     """α-β seconds of a step's collectives plus the profile's software cost per call on network links."""
-    coll = collective_figures(model, counts, layout, alpha_s, beta_bytes_per_s, positions, profile.allreduce,
-                              sampled_positions=sampled_positions)
-    return coll["seconds"] + coll["calls"] * np.where(link_network, profile.collective_overhead_s, 0.0)
+    coll = collective_figures(model, counts, layout, hw.link_alpha_s, hw.link_beta_bytes_per_s, positions,
+                              profile.allreduce, sampled_positions=sampled_positions)
+    return coll["seconds"] + coll["calls"] * np.where(hw.network, profile.collective_overhead_s, 0.0)
 
 
 def _layer_max(values_a: np.ndarray, rate_a, values_b: np.ndarray, rate_b, layout: np.ndarray) -> np.ndarray:
@@ -347,15 +362,11 @@ def evaluate(
     model: ModelSpec,
     table: LayoutTable,
     layout: np.ndarray,
-    mem_bandwidth_bytes_per_s: np.ndarray,
-    peak_flops: np.ndarray,
+    hw: Hardware,
     box_bytes: np.ndarray,
-    link_alpha_s: np.ndarray,
-    link_beta_bytes_per_s: np.ndarray,
     context_tokens: int,
     *,
     profile: RuntimeProfile = ROOFLINE,
-    link_network: np.ndarray | bool = True,
     reserve_fraction: float = 0.10,
     spec_tokens: int = 0,
     acceptance: float = 0.0,
@@ -364,10 +375,9 @@ def evaluate(
 ) -> dict[str, np.ndarray]:
     """Decode tok/s, step-time terms and memory fit; arrays broadcast against each other.
 
-    ``layout`` indexes ``table``; box figures (bytes/s, FLOP/s, bytes) and link figures
-    (seconds, bytes/s; ``link_network`` True for tcp/rdma links, whose collectives pay the
-    profile's per-call ``collective_overhead_s``) broadcast against it; ``profile`` gives the
-    runtime's efficiencies, overheads and all-reduce algorithms. With ``spec_tokens``
+    ``layout`` indexes ``table``; the box and link figures of ``hw`` and ``box_bytes`` broadcast
+    against it (collectives on network links pay the profile's per-call ``collective_overhead_s``);
+    ``profile`` gives the runtime's efficiencies, overheads and all-reduce algorithms. With ``spec_tokens``
     k > 0 the step is a verify pass over k+1 positions yielding ``tokens_per_step(k, acceptance)``
     tokens; ``drafting_s`` (seconds per verify step a draft model takes, broadcast against the
     box figures) adds to it and ``replicated_bytes`` (the draft's weights and cache) to every
@@ -378,12 +388,11 @@ def evaluate(
     positions = spec_tokens + 1 if spec_tokens else 1
     layout = np.asarray(layout)
     fig = step_figures(model, table, context_tokens, positions)
-    bw, peak = _rates(mem_bandwidth_bytes_per_s, peak_flops, profile)
+    bw, peak = _rates(hw, profile)
     layers_s = _layer_max(fig.nbytes, bw, fig.flops, peak, layout)
     memory_s = fig.nbytes.sum(axis=1)[layout] / bw
     compute_s = fig.flops.sum(axis=1)[layout] / peak
-    collective_s = _collective_s(model, table.counts, layout, link_alpha_s, link_beta_bytes_per_s, positions, profile,
-                                 link_network)
+    collective_s = _collective_s(model, table.counts, layout, hw, positions, profile)
     step_overhead_s = profile.step_overhead_s
     step_s = layers_s + collective_s + step_overhead_s
     tokens = tokens_per_step(spec_tokens, acceptance) if spec_tokens else 1.0
@@ -416,14 +425,10 @@ def evaluate_prefill(
     model: ModelSpec,
     table: LayoutTable,
     layout: np.ndarray,
-    mem_bandwidth_bytes_per_s: np.ndarray,
-    peak_flops: np.ndarray,
-    link_alpha_s: np.ndarray,
-    link_beta_bytes_per_s: np.ndarray,
+    hw: Hardware,
     prompt_tokens: int,
     *,
     profile: RuntimeProfile = ROOFLINE,
-    link_network: np.ndarray | bool = True,
 ) -> dict[str, np.ndarray]:
     """Prefill of ``prompt_tokens`` in one pass, vectorized.
 
@@ -431,7 +436,7 @@ def evaluate_prefill(
     ``prompt · top_k / ep`` expert-token uses per rank, attention over half the prompt on
     average; the LM head's FLOPs at every position; the same collectives as a decode step
     (``collective_figures``) with prompt-sized messages, one sampled position; each collective
-    on a network link (``link_network``) pays ``collective_overhead_s``.
+    on a network link pays the profile's ``collective_overhead_s``.
     Returns arrays: tok_per_s, compute_s, collective_s, bottleneck (index into ``PREFILL_BOTTLENECKS``).
     """
     c = table.counts
@@ -444,11 +449,10 @@ def evaluate_prefill(
     flops = 2 * p_tok * c.dense_matmul_numel + np.where(moe, 2 * uses * c.expert_matmul_numel, 0.0)
     flops = flops + p_tok * (c.attn_flops_per_ctx * ctx / 2 + c.attn_flops_const)
     nbytes = table.dense_bytes + np.where(moe, local * table.expert_bytes, 0.0)
-    bw, peak = _rates(mem_bandwidth_bytes_per_s, peak_flops, profile)
+    bw, peak = _rates(hw, profile)
     compute_s = _layer_max(flops, peak, nbytes, bw, layout)
     compute_s = compute_s + (2 * p_tok * model.hidden_size * c.vocab_rows)[layout] / peak
-    comm = _collective_s(model, c, layout, link_alpha_s, link_beta_bytes_per_s, prompt_tokens, profile, link_network,
-                         sampled_positions=1)
+    comm = _collective_s(model, c, layout, hw, prompt_tokens, profile, sampled_positions=1)
     total = compute_s + comm + profile.step_overhead_s
     return {
         "tok_per_s": p_tok / total,

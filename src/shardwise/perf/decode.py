@@ -10,28 +10,16 @@ the step adds its collectives and the host's per-step overhead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from shardwise.perf import core
+from shardwise.perf.core import Hardware
 from shardwise.plan import ParallelPlan
 from shardwise.spec.model import ModelSpec
 
 ALL_ALGORITHMS = ("ring", "rd", "oneshot", "tree")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the step model needs of a box and its link (SI units)."""
-
-    mem_bandwidth_bytes_per_s: float
-    peak_flops: float
-    link_alpha_s: float
-    link_beta_bytes_per_s: float
-    network: bool = True  # a network link (tcp/rdma) rather than NVLink/PCIe inside one host
-    ring_allreduce_s: Callable[[float], float] | None = None  # ring cost on a real topology (seconds for n bytes)
 
 
 @dataclass(frozen=True)

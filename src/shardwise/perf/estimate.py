@@ -324,10 +324,7 @@ def _formats_text(formats: dict[str, str], m: ModelSpec) -> str:
 def prefill_speed(sc: Scenario, table: core.LayoutTable, hw: Hardware) -> dict:
     """Prefill of ``prompt_tokens`` under the scenario's profile (``core.evaluate_prefill``, row 0)."""
     prof = sc.profile
-    out = core.evaluate_prefill(
-        sc.model, table, 0, hw.mem_bandwidth_bytes_per_s, hw.peak_flops, hw.link_alpha_s, hw.link_beta_bytes_per_s,
-        sc.prompt_tokens, profile=prof, link_network=hw.network,
-    )
+    out = core.evaluate_prefill(sc.model, table, 0, hw, sc.prompt_tokens, profile=prof)
     return {
         "prompt_tokens": sc.prompt_tokens, "tok_per_s": float(out["tok_per_s"]), "compute_s": float(out["compute_s"]),
         "collective_s": float(out["collective_s"]),

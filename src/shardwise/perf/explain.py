@@ -32,11 +32,12 @@ def explain(result: SweepResult, req: SweepRequest, model: str, box: str, boxes:
     prof = get_profile(req.runtime)
     drafting, replicated = draft_terms(req, (box_obj,))
     out = core.evaluate(
-        spec, table, np.arange(len(plans)), box_obj.memory_bandwidth_gbps * GB, box_obj.tflops_bf16 * 1e12,
-        box_obj.memory_gb * GB, message_latency_s(link_obj, prof) if link_obj else 0.0,
-        link_obj.bandwidth_gbps * GB if link_obj else 1.0, req.context_tokens,
-        profile=prof, link_network=bool(link_obj and link_obj.kind in ("tcp", "rdma")),
-        reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens, acceptance=req.acceptance,
+        spec, table, np.arange(len(plans)),
+        core.Hardware(box_obj.memory_bandwidth_gbps * GB, box_obj.tflops_bf16 * 1e12,
+                      message_latency_s(link_obj, prof) if link_obj else 0.0,
+                      link_obj.bandwidth_gbps * GB if link_obj else 1.0,
+                      network=bool(link_obj and link_obj.kind in ("tcp", "rdma"))),
+        box_obj.memory_gb * GB, req.context_tokens, profile=prof, reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens, acceptance=req.acceptance,
         drafting_s=drafting[0], replicated_bytes=replicated,
     )
     if link_obj is not None and boxes > link_capacity(box_obj, link_obj):

@@ -158,14 +158,16 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
     prof = get_profile(req.runtime)
     boxes, links = req.boxes, (None, *req.links)
     prices = np.array([box_price(b, req.list_prices)[0] for b in boxes])
-    bw = np.array([b.memory_bandwidth_gbps * GB for b in boxes])[None, :, None]
-    peak = np.array([b.tflops_bf16 * 1e12 for b in boxes])[None, :, None]
     mem = np.array([b.memory_gb * GB for b in boxes])[None, :, None]
     drafting, replicated = draft_terms(req, boxes)
     drafting = drafting[None, :, None]
-    alpha = np.array([0.0] + [message_latency_s(lk, prof) for lk in req.links])[None, None, :]
-    beta = np.array([1.0] + [lk.bandwidth_gbps * GB for lk in req.links])[None, None, :]
-    network = np.array([False] + [lk.kind in ("tcp", "rdma") for lk in req.links])[None, None, :]
+    grid_hw = core.Hardware(  # boxes on the second axis, links (none first) on the third
+        mem_bandwidth_bytes_per_s=np.array([b.memory_bandwidth_gbps * GB for b in boxes])[None, :, None],
+        peak_flops=np.array([b.tflops_bf16 * 1e12 for b in boxes])[None, :, None],
+        link_alpha_s=np.array([0.0] + [message_latency_s(lk, prof) for lk in req.links])[None, None, :],
+        link_beta_bytes_per_s=np.array([1.0] + [lk.bandwidth_gbps * GB for lk in req.links])[None, None, :],
+        network=np.array([False] + [lk.kind in ("tcp", "rdma") for lk in req.links])[None, None, :],
+    )
     capacity = np.array([[1] + [link_capacity(b, lk) for lk in req.links] for b in boxes])  # (B, K)
     sw_price = np.array([0.0] + [lk.switch_price_usd or 0.0 for lk in req.links])
     sw_watts = np.array([0.0] + [lk.switch_watts or 0.0 for lk in req.links])
@@ -206,8 +208,8 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
             # the one validity check at this variant's formats (packed expert blocks must not be cut)
             valid = np.array([is_valid_plan(spec, p, variant.format_map) for p in plans])[:, None, None]
             out = core.evaluate(
-                spec, table, layout_idx, bw, peak, mem, alpha, beta, req.context_tokens, profile=prof,
-                link_network=network, reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens,
+                spec, table, layout_idx, grid_hw, mem, req.context_tokens, profile=prof,
+                reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens,
                 acceptance=req.acceptance, drafting_s=drafting, replicated_bytes=replicated,
             )
             shape = buildable.shape
@@ -244,8 +246,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
                 free_bytes=np.broadcast_to(out["free_bytes"], shape)[p_i, b_i, k_i],
             )
             if req.prefill:
-                pf = core.evaluate_prefill(spec, table, layout_idx, bw, peak, alpha, beta, req.prompt_tokens,
-                                           profile=prof, link_network=network)
+                pf = core.evaluate_prefill(spec, table, layout_idx, grid_hw, req.prompt_tokens, profile=prof)
                 cols["prefill"] = np.broadcast_to(pf["tok_per_s"], shape)[p_i, b_i, k_i]
                 cols["prefill_bottleneck"] = np.broadcast_to(pf["bottleneck"], shape)[p_i, b_i, k_i]
             acc.add(**cols)

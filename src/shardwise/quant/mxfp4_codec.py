@@ -157,14 +157,20 @@ def e8m0_to_float(scales: np.ndarray, dtype=np.float32) -> np.ndarray:
 _DECODE_DTYPES = (np.float16, np.float32, np.float64)
 
 
-def check_blocks_scales(blocks: np.ndarray, scales: np.ndarray, block_bytes: int = BLOCK_SIZE // 2) -> None:
-    """Raise ShardwiseError unless blocks is uint8 [..., G, block_bytes] and scales uint8 [..., G]."""
-    if blocks.dtype != np.uint8 or blocks.ndim < 2 or blocks.shape[-1] != block_bytes:
+def _is_uint8(array) -> bool:
+    """True for a numpy array or a torch tensor of unsigned bytes."""
+    return str(array.dtype).removeprefix("torch.") == "uint8"
+
+
+def check_blocks_scales(blocks, scales, block_bytes: int = BLOCK_SIZE // 2) -> None:
+    """Raise ShardwiseError unless blocks is uint8 [..., G, block_bytes] and scales uint8 [..., G]
+    (numpy arrays or torch tensors)."""
+    if not _is_uint8(blocks) or blocks.ndim < 2 or blocks.shape[-1] != block_bytes:
         raise ShardwiseError(
             f"blocks have dtype {blocks.dtype} and shape {list(blocks.shape)}, expected uint8 with shape "
             f"[..., G, {block_bytes}]: pass the packed bytes, {2 * block_bytes} elements per block"
         )
-    if scales.dtype != np.uint8 or scales.shape != blocks.shape[:-1]:
+    if not _is_uint8(scales) or tuple(scales.shape) != tuple(blocks.shape[:-1]):
         raise ShardwiseError(
             f"scales have dtype {scales.dtype} and shape {list(scales.shape)}, expected uint8 with shape "
             f"{list(blocks.shape[:-1])} (blocks.shape[:-1]): pass one scale byte per block"

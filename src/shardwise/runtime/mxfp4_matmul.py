@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant.mxfp4_codec import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN
+from shardwise.quant.mxfp4_codec import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, check_blocks_scales
 
 _BYTES_PER_BLOCK = BLOCK_SIZE // 2
 _LUTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -48,25 +48,12 @@ def _luts(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return _LUTS[key]
 
 
-def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
-    if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != _BYTES_PER_BLOCK:
-        raise ShardwiseError(
-            f"MXFP4 blocks have dtype {blocks.dtype} and shape {list(blocks.shape)}, expected torch.uint8 with "
-            f"shape [..., in/32, {_BYTES_PER_BLOCK}]: pass the packed checkpoint bytes"
-        )
-    if scales.dtype != torch.uint8 or scales.shape != blocks.shape[:-1]:
-        raise ShardwiseError(
-            f"MXFP4 scales have dtype {scales.dtype} and shape {list(scales.shape)}, expected torch.uint8 with "
-            f"shape {list(blocks.shape[:-1])} (blocks.shape[:-1]): pass one E8M0 byte per block"
-        )
-
-
 def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantize blocks uint8 [..., G, 16] and scales uint8 [..., G] to [..., G·32] in dtype.
 
     dtype is bfloat16, float16, float32 or float64; scale byte 0xFF gives NaN.
     """
-    _check(blocks, scales)
+    check_blocks_scales(blocks, scales)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         raise ShardwiseError(
             f"MXFP4 decode dtype {dtype} is unsupported, expected bfloat16, float16, float32 or float64"
@@ -86,7 +73,7 @@ def mxfp4_matmul(
     blocks uint8 [out, in/32, 16] and scales uint8 [out, in/32] stay packed; W is
     decoded to x.dtype for this call only. bias is [out] or None.
     """
-    _check(blocks, scales)
+    check_blocks_scales(blocks, scales)
     if blocks.dim() != 3 or x.shape[-1] != blocks.shape[1] * BLOCK_SIZE:
         raise ShardwiseError(
             f"MXFP4 matmul got x of shape {list(x.shape)} and blocks {list(blocks.shape)}, expected x [..., in] "
