@@ -35,6 +35,7 @@ from shardwise.perf.imbalance import distinct_experts, expected_max_load_tokens
 from shardwise.perf.profiles import RuntimeProfile
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.plan import ParallelPlan, held_numel, picked_expert_numel, stage_globals
+from shardwise.spec.mixers import cache_positions
 from shardwise.spec.model import EMBEDDING, LM_HEAD, TENSOR_GROUPS, LayerSpec, ModelSpec
 
 BOTTLENECKS = ("memory bandwidth", "compute", "network latency", "host overhead", "drafting")
@@ -249,7 +250,7 @@ def stage_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1) -
     one step writes beyond the first (``step_tokens``: 1 plain, k+1 for a speculative verify),
     the runtime's ring buffer, never more than the context."""
     c = table.counts
-    held = np.minimum(float(context_tokens), c.window_tokens + (step_tokens - 1))
+    held = cache_positions(float(context_tokens), c.window_tokens, step_tokens)
     per_layer = c.cache_bytes_per_ctx * held + c.state_bytes
     return table.stage_weights_bytes, _stage_sum(per_layer, c)
 

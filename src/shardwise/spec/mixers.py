@@ -6,7 +6,8 @@ what one decode position costs, all on one of ``tp`` tensor-parallel ranks:
 - ``cache_elems_per_token``: cache elements held (and read) per token of context (KV heads
   split by TP, replicated when fewer KV heads than ranks; MLA's latent replicated on every rank;
   0 for linear attention);
-- ``windowed``: the cache holds at most the layer's sliding window of tokens;
+- ``windowed``: the cache holds at most the layer's sliding window of tokens (plus the positions
+  one step writes: ``cache_positions``, the planner's and the runtime's one ring formula);
 - ``state_bytes``: constant per-sequence state held (linear attention: the fp32 delta-rule state
   ``value_heads · d_k · d_v`` plus the short-convolution window, split by heads);
 - ``state_traffic_bytes``: state read and written per decode step;
@@ -23,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from shardwise.spec.tensors import ATTENTION, LINEAR_ATTENTION, NORM, TensorSpec, col, norm, rep, row
 
@@ -68,6 +71,15 @@ class LinearAttentionSpec:
         """Short-convolution window of one sequence: (kernel − 1) positions of q, k and v channels."""
         channels = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
         return (self.conv_kernel - 1) * channels
+
+
+def cache_positions(context_tokens, window, step_tokens: int = 1):
+    """Positions a layer's cache holds per sequence: the context, or for a sliding window the
+    runtime's ring of ``window + step_tokens - 1`` positions (a call reads the ``window - 1``
+    before it; a verify pass may roll back up to ``step_tokens - 1`` positions, which must not
+    overwrite those), never more than the context. Works on numbers and numpy arrays (``window``
+    inf: no window)."""
+    return np.minimum(context_tokens, np.asarray(window) + (step_tokens - 1))
 
 
 # ---- tensors per kind ---------------------------------------------------------------------------
