@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from shardwise.perf import core
+from shardwise.perf import core, grid
 from shardwise.perf.estimate import formats_bits
 from shardwise.perf.configurations import enumerate_layouts
 from shardwise.perf.sweep import run_sweep
@@ -41,10 +41,10 @@ def core_rate(model_name: str, max_boxes: int, repeats: int = 5) -> tuple[int, f
     beta = np.array([lk.bandwidth_gbps * GB for lk in links])[None, None, :]
     net = np.array([lk.kind in ("tcp", "rdma") for lk in links])[None, None, :]
     hw = core.Hardware(bw, peak, alpha, beta, network=net)
-    core.evaluate(model, table, layout, hw, mem, 4096, profile=prof)  # warm caches
+    grid.evaluate(model, table, layout, hw, mem, 4096, profile=prof)  # warm caches
     t0 = time.perf_counter()
     for _ in range(repeats):
-        out = core.evaluate(model, table, layout, hw, mem, 4096, profile=prof)
+        out = grid.evaluate(model, table, layout, hw, mem, 4096, profile=prof)
     seconds = (time.perf_counter() - t0) / repeats
     return int(np.broadcast_to(out["tok_per_s"], (len(plans), len(boxes), len(links))).size), seconds
 

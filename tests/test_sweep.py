@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import run_cli
 from shardwise.commands.sweep import to_csv
 from shardwise.errors import ShardwiseError
-from shardwise.perf import core
+from shardwise.perf import core, grid
 from shardwise.perf.configurations import link_capacity, quant_variants
 from shardwise.perf.decode import layout_table
 from shardwise.perf.estimate import Scenario, decode_speed, estimate, formats_bits, hardware_of, prefill_speed
@@ -68,9 +68,9 @@ def test_core_equals_scalar_planner(model_name, box_name, link_name):
     context = 32768
     compute_bound = 0
     for spec_tokens in (0, 7):
-        out = core.evaluate(model, table, idx, hw, box.memory_gb * GB, context, profile=prof,
+        out = grid.evaluate(model, table, idx, hw, box.memory_gb * GB, context, profile=prof,
                             spec_tokens=spec_tokens, acceptance=0.8)
-        pre = core.evaluate_prefill(model, table, idx, hw, 2048, profile=prof)
+        pre = grid.evaluate_prefill(model, table, idx, hw, 2048, profile=prof)
         for i, plan in enumerate(plans):
             sc = Scenario(model=model, box=box, boxes=plan.world_size, link=link, plan=plan, formats=formats,
                           profile=prof, context_tokens=context, spec_tokens=spec_tokens,
@@ -104,7 +104,7 @@ def test_core_with_a_draft_model_equals_scalar_planner(box_name, link_name):
                        spec_tokens=4, acceptance=0.8, draft=draft)
     drafting, replicated = draft_terms(req, (box,))
     assert drafting[0] > 0 and replicated > draft.total_params * 2  # bf16 weights plus its cache
-    out = core.evaluate(model, table, np.arange(len(plans)), hw, box.memory_gb * GB, 4096, profile=prof,
+    out = grid.evaluate(model, table, np.arange(len(plans)), hw, box.memory_gb * GB, 4096, profile=prof,
                         spec_tokens=4, acceptance=0.8, drafting_s=drafting[0], replicated_bytes=replicated)
     for i, plan in enumerate(plans):
         sc = Scenario(model=model, box=box, boxes=plan.world_size, link=link, plan=plan, formats=formats,
@@ -113,8 +113,8 @@ def test_core_with_a_draft_model_equals_scalar_planner(box_name, link_name):
         assert out["tok_per_s"][i] == pytest.approx(doc["decode"]["tok_per_s"], rel=1e-12), plan
         assert out["free_bytes"][i] == pytest.approx(doc["memory"]["free_bytes"], rel=1e-9)
         assert bool(out["fits"][i]) == doc["memory"]["fits"]
-        assert core.BOTTLENECKS[int(out["bottleneck"][i])] == doc["decode"]["bottleneck"], plan
-    assert "drafting" in {core.BOTTLENECKS[int(b)] for b in out["bottleneck"]}, "a case where drafting dominates"
+        assert grid.BOTTLENECKS[int(out["bottleneck"][i])] == doc["decode"]["bottleneck"], plan
+    assert "drafting" in {grid.BOTTLENECKS[int(b)] for b in out["bottleneck"]}, "a case where drafting dominates"
 
 
 def test_core_memory_bytes_equal_scalar_fullest_rank():

@@ -54,6 +54,20 @@ def render(doc: dict) -> None:
         f"bandwidth ceiling {d['ceiling_tok_per_s']:,.1f}); bottleneck: [bold]{d['bottleneck']}[/]; "
         f"{d['collectives_per_step']} collectives/step, all-reduce {d['allreduce_algorithm']}"
     )
+    cross = d["compute_bound_from_batch"]
+    con.print(
+        f"batch {d['batch']}: {d['tok_per_s']:,.2f} tok/s per sequence, {d['aggregate_tok_per_s']:,.2f} tok/s in all; "
+        f"at most {mem['max_batch']:,} sequences of {mem['context_tokens']:,} tokens fit; "
+        + (f"decode turns compute-bound from batch {cross}" if cross else "decode stays memory-bound up to that batch")
+    )
+    if d["batch_curve"]:
+        curve = Table(title="Concurrency curve")
+        for col in ("batch", "tok/s per sequence", "tok/s in all", "step ms", "bound"):
+            curve.add_column(col, justify="right")
+        for r in d["batch_curve"]:
+            curve.add_row(f"{r['batch']}", f"{r['tok_per_s']:,.2f}", f"{r['aggregate_tok_per_s']:,.1f}",
+                          f"{r['step_s'] * 1e3:,.1f}", "compute" if r["compute_bound"] else "memory")
+        con.print(curve)
     ring = doc["plan"].get("ring")
     if ring:
         con.print(
@@ -100,6 +114,9 @@ def register(app: typer.Typer) -> None:
         price: Annotated[Optional[float], typer.Option(help="price per box, USD")] = None,
         kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype")] = "bf16",
         cluster: Annotated[Optional[str], typer.Option(help="cluster TOML (from `shardwise probe` or by hand)")] = None,
+        batch: Annotated[int, typer.Option(help="sequences decoded together (users at once), each with its own cache")] = 1,
+        batch_curve: Annotated[bool, typer.Option(
+            "--batch-curve", help="add per-sequence and aggregate tok/s for batch 1 .. the most that fits")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
     ) -> None:
         """Plan a model on a cluster: memory fit, decode/prefill speed, waterfall, bottleneck, power, cost."""
@@ -107,13 +124,15 @@ def register(app: typer.Typer) -> None:
 
         sc = build_scenario(
             model, box, boxes, link, tp, ep, pp, context, prompt_tokens, spec_tokens, acceptance, workload,
-            runtime, quant, experts, dense, price, kv_dtype, cluster, draft_model,
+            runtime, quant, experts, dense, price, kv_dtype, cluster, draft_model, batch,
         )
-        doc = estimate(sc)
+        doc = estimate(sc, curve=batch_curve)
         if not doc["memory"]["fits"]:
-            need = doc["memory"]["min_boxes_layout"]
+            mem = doc["memory"]
+            need = mem["min_boxes_layout"]
+            at_batch = f" at --batch {batch} (it holds {mem['max_batch']} sequences)" if batch > 1 else ""
             raise ShardwiseError(
-                f"{sc.model.name} does not fit on {sc.boxes} x {sc.box.name} ({-doc['memory']['free_bytes'] / 1e9:,.1f} GB "
+                f"{sc.model.name} does not fit on {sc.boxes} x {sc.box.name}{at_batch} ({-mem['free_bytes'] / 1e9:,.1f} GB "
                 f"short on the fullest box): it needs {need if need else 'more than 64'} boxes"
             )
         if json_out:

@@ -148,7 +148,8 @@ def register(app: typer.Typer) -> None:
         experts: Annotated[Optional[str], typer.Option(help="format(s) of the routed experts, comma-separated")] = None,
         budget: Annotated[Optional[float], typer.Option(help="most USD for boxes and switches")] = None,
         max_watts: Annotated[Optional[float], typer.Option(help="most loaded watts, boxes and switches")] = None,
-        min_tok_per_s: Annotated[Optional[float], typer.Option(help="least decode tok/s")] = None,
+        min_tok_per_s: Annotated[Optional[float], typer.Option(help="least decode tok/s (per user with --users)")] = None,
+        users: Annotated[int, typer.Option(help="concurrent sequences every configuration must serve (batch)")] = 1,
         context: Annotated[int, typer.Option(help="context tokens at decode (the KV cache must fit)")] = 4096,
         max_boxes: Annotated[Optional[int], typer.Option(help=f"most boxes (default {DEFAULT_MAX_BOXES})")] = None,
         runtime: Annotated[str, typer.Option(help="runtime profile: ideal, vllm, llama-cpp, mlx, shardwise")] = "vllm",
@@ -171,7 +172,7 @@ def register(app: typer.Typer) -> None:
             raise ShardwiseError("--json and --csv both given: pick one")
         req = build_request(model, box, boxes, link, quant, experts, budget, max_watts, min_tok_per_s, context,
                             max_boxes, runtime, spec_tokens, acceptance, workload, prefill, prompt_tokens,
-                            list_prices, kv_dtype, draft_model)
+                            list_prices, kv_dtype, draft_model, users)
         targets = seed_target(req)
         for value in explain or ():
             b, n, lk = parse_explain(value)

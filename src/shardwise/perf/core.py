@@ -8,10 +8,10 @@ One code path serves ``shardwise plan`` (one layout: ``perf.decode``, ``perf.mem
    ``stage_layers``) and the mixer table's cache, state and FLOP figures
    (``shardwise.spec.mixers``). Layers of equal structure are counted once per (tp, ep).
 2. ``build_layout_table``: those counts at one quantization (bits per group) → bytes.
-3. ``step_figures`` / ``collective_figures`` / ``evaluate`` / ``evaluate_prefill`` /
-   ``stage_bytes``: numpy over arrays that broadcast against each other (layout index, box
-   figures, link figures). The per-layer ``max(memory, compute)`` is exact, layer by layer:
-   arrays get a trailing layer axis, so pass grid-shaped inputs (layouts × boxes × links).
+3. ``step_figures`` / ``collective_figures`` / ``stage_bytes`` / ``max_batch``: a step's bytes,
+   FLOPs and collectives and the memory held, per layout; ``perf.grid`` prices them on hardware
+   (``evaluate``, ``evaluate_prefill``): numpy over arrays that broadcast against each other
+   (layout index, box figures, link figures).
 
 A decode step over ``positions`` positions (1 plain, k+1 for a speculative verify) reads every
 non-expert weight once, the distinct experts the positions picked (the busiest expert-parallel
@@ -32,14 +32,9 @@ import numpy as np
 
 from shardwise.perf import collectives
 from shardwise.perf.imbalance import distinct_experts, expected_max_load_tokens
-from shardwise.perf.profiles import RuntimeProfile
-from shardwise.perf.speculative import tokens_per_step
 from shardwise.plan import ParallelPlan, held_numel, picked_expert_numel, stage_globals
 from shardwise.spec.mixers import cache_positions
 from shardwise.spec.model import EMBEDDING, LM_HEAD, TENSOR_GROUPS, LayerSpec, ModelSpec
-
-BOTTLENECKS = ("memory bandwidth", "compute", "network latency", "host overhead", "drafting")
-PREFILL_BOTTLENECKS = ("compute", "network bandwidth")
 
 ACTIVATION_BYTES = 2  # bf16 activations on the wire
 SAMPLE_BYTES = 8  # one (value, index) pair per rank and position for greedy sampling
@@ -48,8 +43,6 @@ WORKSPACE_HIDDEN_BUFFERS = 8  # ... as this many hidden-wide buffers plus the lo
 WORKSPACE_ELEMENT_BYTES = 4.0  # ... in float32
 
 _GROUP = {g: i for i, g in enumerate(TENSOR_GROUPS)}
-ROOFLINE = RuntimeProfile("roofline", "pure roofline: peak bandwidth and FLOPS, no software overhead", 1.0, 1.0, 0.0, 0.0,
-                          ("ring", "rd", "oneshot", "tree"))
 
 
 @dataclass(frozen=True)
@@ -244,21 +237,34 @@ def build_layout_table(
     )
 
 
-def stage_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(weights, cache) one rank of each stage holds at ``context_tokens`` (bytes, (P, S);
-    weights -inf on padding stages). A sliding-window layer holds its window plus the positions
-    one step writes beyond the first (``step_tokens``: 1 plain, k+1 for a speculative verify),
-    the runtime's ring buffer, never more than the context."""
+def stage_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1,
+                batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, cache of ``batch`` sequences) one rank of each stage holds at ``context_tokens``
+    (bytes, (P, S); weights -inf on padding stages). A sliding-window layer holds its window plus
+    the positions one step writes beyond the first (``step_tokens``: 1 plain, k+1 for a
+    speculative verify), the runtime's ring buffer, never more than the context."""
     c = table.counts
     held = cache_positions(float(context_tokens), c.window_tokens, step_tokens)
     per_layer = c.cache_bytes_per_ctx * held + c.state_bytes
-    return table.stage_weights_bytes, _stage_sum(per_layer, c)
+    return table.stage_weights_bytes, batch * _stage_sum(per_layer, c)
 
 
-def fullest_rank_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1) -> np.ndarray:
-    """Weights + cache of each layout's fullest rank at ``context_tokens`` (bytes, per layout)."""
-    weights, cache = stage_bytes(table, context_tokens, step_tokens)
+def fullest_rank_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1, batch: int = 1) -> np.ndarray:
+    """Weights + the caches of ``batch`` sequences on each layout's fullest rank at
+    ``context_tokens`` (bytes, per layout)."""
+    weights, cache = stage_bytes(table, context_tokens, step_tokens, batch)
     return np.max(weights + cache, axis=1)
+
+
+def max_batch(table: LayoutTable, context_tokens: int, free_bytes, step_tokens: int = 1) -> np.ndarray:
+    """Most sequences of ``context_tokens`` whose caches fit beside the weights on every stage's
+    ranks, given ``free_bytes`` per box once workspace, reserve and replicated bytes are taken
+    (per layout; 0 when the weights alone do not fit)."""
+    weights, cache = stage_bytes(table, context_tokens, step_tokens)
+    room = np.asarray(free_bytes, dtype=float)[..., None] - weights
+    per_stage = np.where(cache > 0, np.floor(np.maximum(room, 0.0) / np.where(cache > 0, cache, 1.0)), np.inf)
+    out = np.min(np.where(table.counts.stage_valid, per_stage, np.inf), axis=-1)
+    return np.where(np.isfinite(out), out, np.iinfo(np.int64).max).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -272,27 +278,32 @@ class StepFigures:
 
 
 def step_figures(model: ModelSpec, table: LayoutTable, context_tokens: int, positions: int = 1,
-                 busiest_experts: bool = True) -> StepFigures:
-    """Bytes and FLOPs per layout and layer of a step over ``positions`` at ``context_tokens``
-    (``busiest_experts`` False: picked experts spread evenly over the expert-parallel ranks)."""
+                 busiest_experts: bool = True, batch: int = 1) -> StepFigures:
+    """Bytes and FLOPs per layout and layer of a step over ``positions`` of each of ``batch``
+    sequences at ``context_tokens`` (``busiest_experts`` False: picked experts spread evenly over
+    the expert-parallel ranks). Weights are read once for the whole batch; each picked expert
+    once for every token that picked it (the union of the tokens' experts: uniform routing);
+    each sequence reads its own cache and state."""
     c = table.counts
+    tokens = batch * positions
     if model.moe is not None:
         e, k = model.moe.num_experts, model.moe.top_k
-        distinct = distinct_experts(e, k, positions)
+        distinct = distinct_experts(e, k, tokens)
         average = distinct / c.ep
-        per_ep = {int(x): expected_max_load_tokens(e, k, int(x), positions) for x in np.unique(c.ep)}
+        per_ep = {int(x): expected_max_load_tokens(e, k, int(x), tokens) for x in np.unique(c.ep)}
         busiest = np.array([per_ep[int(x)] for x in c.ep]) if busiest_experts else average
-        uses = positions * k / distinct  # positions sharing one picked expert
+        uses = tokens * k / distinct  # tokens sharing one picked expert
     else:
         average = busiest = np.zeros(len(c.ep))
         uses = 0.0
     n_exp = np.where(table.expert_bytes > 0, busiest[:, None], 0.0)
     ctx = np.minimum(float(context_tokens), c.window_tokens)
-    nbytes = table.dense_bytes + n_exp * table.expert_bytes + c.cache_bytes_per_ctx * ctx + c.state_traffic_bytes
-    flops = 2 * (positions * c.dense_matmul_numel + n_exp * uses * c.expert_matmul_numel)
-    flops = flops + positions * (c.attn_flops_per_ctx * ctx + c.attn_flops_const)
-    head_bytes = table.head_bytes + (positions - 1) * table.embedding_row_bytes
-    head_flops = 2.0 * positions * c.vocab_rows * model.hidden_size
+    per_sequence = c.cache_bytes_per_ctx * ctx + c.state_traffic_bytes
+    nbytes = table.dense_bytes + n_exp * table.expert_bytes + batch * per_sequence
+    flops = 2 * (tokens * c.dense_matmul_numel + n_exp * uses * c.expert_matmul_numel)
+    flops = flops + tokens * (c.attn_flops_per_ctx * ctx + c.attn_flops_const)
+    head_bytes = table.head_bytes + (tokens - 1) * table.embedding_row_bytes
+    head_flops = 2.0 * tokens * c.vocab_rows * model.hidden_size
     return StepFigures(np.concatenate([nbytes, head_bytes[:, None]], axis=1),
                        np.concatenate([flops, head_flops[:, None]], axis=1), busiest, average)
 
@@ -334,130 +345,4 @@ def collective_figures(model: ModelSpec, counts: LayoutCounts, layout, alpha_s, 
         "calls": np.where(tp > 1, calls, 0) + (pp - 1),
         "allreduce_s": np.where(tp > 1, allreduce_s, 0.0),
         "algorithm": pick,
-    }
-
-
-def _rates(hw: Hardware, profile: RuntimeProfile) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes/s, FLOP/s) the profile's runtime reaches on these boxes."""
-    return (np.asarray(hw.mem_bandwidth_bytes_per_s, dtype=float) * profile.mem_efficiency,
-            np.asarray(hw.peak_flops, dtype=float) * profile.compute_efficiency)
-
-
-def _collective_s(model, counts, layout, hw: Hardware, positions, profile: RuntimeProfile,
-                  sampled_positions: int | None = None) -> np.ndarray:
-    """α-β seconds of a step's collectives plus the profile's software cost per call on network links."""
-    coll = collective_figures(model, counts, layout, hw.link_alpha_s, hw.link_beta_bytes_per_s, positions,
-                              profile.allreduce, sampled_positions=sampled_positions)
-    return coll["seconds"] + coll["calls"] * np.where(hw.network, profile.collective_overhead_s, 0.0)
-
-
-def _layer_max(values_a: np.ndarray, rate_a, values_b: np.ndarray, rate_b, layout: np.ndarray) -> np.ndarray:
-    """Σ over layers of max(a / rate_a, b / rate_b), exact per layer, on the broadcast shape of
-    (layout, rate_a, rate_b)."""
-    shape = np.broadcast_shapes(layout.shape, np.shape(rate_a), np.shape(rate_b))
-    lay, ra, rb = (np.broadcast_to(x, shape)[..., None] for x in (layout, rate_a, rate_b))
-    return np.sum(np.maximum(values_a[lay[..., 0]] / ra, values_b[lay[..., 0]] / rb), axis=-1)
-
-
-def evaluate(
-    model: ModelSpec,
-    table: LayoutTable,
-    layout: np.ndarray,
-    hw: Hardware,
-    box_bytes: np.ndarray,
-    context_tokens: int,
-    *,
-    profile: RuntimeProfile = ROOFLINE,
-    reserve_fraction: float = 0.10,
-    spec_tokens: int = 0,
-    acceptance: float = 0.0,
-    drafting_s: np.ndarray | float = 0.0,
-    replicated_bytes: float = 0.0,
-) -> dict[str, np.ndarray]:
-    """Decode tok/s, step-time terms and memory fit; arrays broadcast against each other.
-
-    ``layout`` indexes ``table``; the box and link figures of ``hw`` and ``box_bytes`` broadcast
-    against it (collectives on network links pay the profile's per-call ``collective_overhead_s``);
-    ``profile`` gives the runtime's efficiencies, overheads and all-reduce algorithms. With ``spec_tokens``
-    k > 0 the step is a verify pass over k+1 positions yielding ``tokens_per_step(k, acceptance)``
-    tokens; ``drafting_s`` (seconds per verify step a draft model takes, broadcast against the
-    box figures) adds to it and ``replicated_bytes`` (the draft's weights and cache) to every
-    box's memory. Returns arrays:
-    tok_per_s, step_s (the verify or decode step, drafting not included), memory_s, compute_s,
-    layers_s, collective_s, used_bytes, free_bytes, fits, bottleneck (index into ``BOTTLENECKS``).
-    """
-    positions = spec_tokens + 1 if spec_tokens else 1
-    layout = np.asarray(layout)
-    fig = step_figures(model, table, context_tokens, positions)
-    bw, peak = _rates(hw, profile)
-    layers_s = _layer_max(fig.nbytes, bw, fig.flops, peak, layout)
-    memory_s = fig.nbytes.sum(axis=1)[layout] / bw
-    compute_s = fig.flops.sum(axis=1)[layout] / peak
-    collective_s = _collective_s(model, table.counts, layout, hw, positions, profile)
-    step_overhead_s = profile.step_overhead_s
-    step_s = layers_s + collective_s + step_overhead_s
-    tokens = tokens_per_step(spec_tokens, acceptance) if spec_tokens else 1.0
-    box_bytes = np.asarray(box_bytes, dtype=float)
-    used = (fullest_rank_bytes(table, context_tokens, positions) + table.counts.workspace_bytes)[layout]
-    used = used + reserve_fraction * box_bytes
-    used = used + replicated_bytes
-    # The largest of (memory or compute, collectives, host overhead, drafting), first on ties, as estimate() names it.
-    mem_first = memory_s >= compute_s
-    layer_term = np.where(mem_first, memory_s, compute_s)
-    bottleneck = np.where((layer_term >= collective_s) & (layer_term >= step_overhead_s), np.where(mem_first, 0, 1),
-                          np.where(collective_s >= step_overhead_s, 2, 3))
-    drafting_s = np.asarray(drafting_s, dtype=float)
-    bottleneck = np.where(drafting_s > np.maximum(np.maximum(layer_term, collective_s), step_overhead_s), 4, bottleneck)
-    return {
-        "tok_per_s": tokens / (step_s + drafting_s),
-        "step_s": step_s,
-        "memory_s": memory_s,
-        "compute_s": compute_s,
-        "layers_s": layers_s,
-        "collective_s": collective_s,
-        "used_bytes": used,
-        "free_bytes": box_bytes - used,
-        "fits": used <= box_bytes,
-        "bottleneck": bottleneck,
-    }
-
-
-def evaluate_prefill(
-    model: ModelSpec,
-    table: LayoutTable,
-    layout: np.ndarray,
-    hw: Hardware,
-    prompt_tokens: int,
-    *,
-    profile: RuntimeProfile = ROOFLINE,
-) -> dict[str, np.ndarray]:
-    """Prefill of ``prompt_tokens`` in one pass, vectorized.
-
-    Per layer ``max(FLOPs / peak, bytes / bandwidth)`` with every local expert read once and
-    ``prompt · top_k / ep`` expert-token uses per rank, attention over half the prompt on
-    average; the LM head's FLOPs at every position; the same collectives as a decode step
-    (``collective_figures``) with prompt-sized messages, one sampled position; each collective
-    on a network link pays the profile's ``collective_overhead_s``.
-    Returns arrays: tok_per_s, compute_s, collective_s, bottleneck (index into ``PREFILL_BOTTLENECKS``).
-    """
-    c = table.counts
-    p_tok = float(prompt_tokens)
-    layout = np.asarray(layout)
-    moe = table.expert_bytes > 0
-    local = np.floor(model.moe.num_experts / c.ep if model.moe else np.zeros(len(c.ep)))[:, None]
-    uses = (p_tok * model.moe.top_k / c.ep if model.moe else np.zeros(len(c.ep)))[:, None]
-    ctx = np.minimum(p_tok, c.window_tokens)
-    flops = 2 * p_tok * c.dense_matmul_numel + np.where(moe, 2 * uses * c.expert_matmul_numel, 0.0)
-    flops = flops + p_tok * (c.attn_flops_per_ctx * ctx / 2 + c.attn_flops_const)
-    nbytes = table.dense_bytes + np.where(moe, local * table.expert_bytes, 0.0)
-    bw, peak = _rates(hw, profile)
-    compute_s = _layer_max(flops, peak, nbytes, bw, layout)
-    compute_s = compute_s + (2 * p_tok * model.hidden_size * c.vocab_rows)[layout] / peak
-    comm = _collective_s(model, c, layout, hw, prompt_tokens, profile, sampled_positions=1)
-    total = compute_s + comm + profile.step_overhead_s
-    return {
-        "tok_per_s": p_tok / total,
-        "compute_s": compute_s,
-        "collective_s": comm,
-        "bottleneck": (comm > compute_s).astype(np.int64),
     }

@@ -83,12 +83,13 @@ def step_terms(
     *,
     allreduce: tuple[str, ...] = ALL_ALGORITHMS,
     busiest_experts: bool = True,
+    batch: int = 1,
 ) -> StepTerms:
     """Per-layer memory and compute seconds and the collectives of one step over ``positions``
-    for the one layout of ``table``."""
-    fig = core.step_figures(model, table, context_tokens, positions, busiest_experts)
-    coll = core.collective_figures(model, table.counts, 0, hw.link_alpha_s, hw.link_beta_bytes_per_s, positions,
-                                   allreduce, ring_s=hw.ring_allreduce_s)
+    of each of ``batch`` sequences for the one layout of ``table``."""
+    fig = core.step_figures(model, table, context_tokens, positions, busiest_experts, batch)
+    coll = core.collective_figures(model, table.counts, 0, hw.link_alpha_s, hw.link_beta_bytes_per_s,
+                                   batch * positions, allreduce, ring_s=hw.ring_allreduce_s)
     nbytes, flops = fig.nbytes[0], fig.flops[0]
     tp = int(table.counts.tp[0])
     return StepTerms(
@@ -114,6 +115,7 @@ def step_cost(
     collective_overhead_s: float = 0.0,
     allreduce: tuple[str, ...] = ALL_ALGORITHMS,
     busiest_experts: bool = True,
+    batch: int = 1,
 ) -> StepCost:
     """Time of one step over ``positions`` positions at ``context_tokens`` of context (seconds).
 
@@ -121,7 +123,8 @@ def step_cost(
     links (tcp, rdma: NCCL proxy / gloo socket handling); device-side collectives over NVLink or
     PCIe inside one host do not pay it.
     """
-    terms = step_terms(model, table, hw, context_tokens, positions, allreduce=allreduce, busiest_experts=busiest_experts)
+    terms = step_terms(model, table, hw, context_tokens, positions, allreduce=allreduce,
+                       busiest_experts=busiest_experts, batch=batch)
     return apply_profile(terms, mem_efficiency, compute_efficiency, step_overhead_s, collective_overhead_s, hw)
 
 

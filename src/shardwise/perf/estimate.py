@@ -6,10 +6,11 @@ prints). Units are in the key names: ``*_bytes``, ``*_s``, ``tok_per_s``, ``watt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from shardwise.perf import core
+from shardwise.perf import core, grid
 from shardwise.perf.decode import Hardware, StepCost, apply_profile, layout_table, step_cost, step_terms
+from shardwise.perf.batching import batch_curve, batch_figures, crossover_batch
 from shardwise.perf.imbalance import load_percentiles
 from shardwise.perf.memory import memory_fit, total_weight_bytes
 from shardwise.perf.profiles import RuntimeProfile, message_latency_s
@@ -31,6 +32,7 @@ class Scenario:
 
     box / link: catalog entries (see ``shardwise.spec.hardware``); price_usd is per box.
     formats: quantization format name per tensor group.
+    batch: sequences decoded together; tok/s figures are per sequence unless named aggregate.
     draft: the speculative draft model, if one (None: a model-free drafter such as prompt
     lookup, which costs nothing per step); it runs whole on every box at its config's formats,
     ``spec_tokens`` decode steps per verify step, as the runtime runs it.
@@ -53,6 +55,7 @@ class Scenario:
     reserve_fraction: float = 0.10
     topology: object | None = None  # shardwise.topology.Topology of the cluster file, if any
     draft: ModelSpec | None = None
+    batch: int = 1  # sequences decoded together (each with its own cache at context_tokens)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -117,13 +120,13 @@ def profile_kwargs(profile: RuntimeProfile) -> dict:
 SINGLE_BOX = ParallelPlan(tp=1, ep=1, pp=1)
 
 
-def draft_bytes(draft: ModelSpec | None, context_tokens: int, kv_bytes: float) -> float:
-    """Bytes a draft model holds on every box: its weights at its config's formats and its
-    cache at ``context_tokens`` (0 without a draft model)."""
+def draft_bytes(draft: ModelSpec | None, context_tokens: int, kv_bytes: float, batch: int = 1) -> float:
+    """Bytes a draft model holds on every box: its weights at its config's formats and the
+    caches of ``batch`` sequences at ``context_tokens`` (0 without a draft model)."""
     if draft is None:
         return 0.0
     bits = formats_bits(draft.group_formats())
-    return total_weight_bytes(draft, bits) + draft.cache_bytes(context_tokens, kv_bytes)
+    return total_weight_bytes(draft, bits) + batch * draft.cache_bytes(context_tokens, kv_bytes)
 
 
 def draft_step_cost(draft: ModelSpec, mem_bandwidth_bytes_per_s: float, peak_flops: float, context_tokens: int,
@@ -145,7 +148,8 @@ def draft_step(sc: Scenario, hw: Hardware, **kwargs) -> StepCost | None:
 
 def decode_speed(sc: Scenario, table=None, hw: Hardware | None = None, draft: StepCost | None = None,
                  **overrides) -> tuple[float, StepCost, StepCost, float]:
-    """(tok/s, plain step, final step, tokens per final step) under the scenario's profile.
+    """(tok/s per sequence, plain step, final step, tokens per final step and sequence) under the
+    scenario's profile, with ``sc.batch`` sequences in every step.
 
     With speculation the final step is the verify pass; a draft model adds ``spec_tokens``
     of its own decode steps to every verify step.
@@ -155,7 +159,7 @@ def decode_speed(sc: Scenario, table=None, hw: Hardware | None = None, draft: St
     hw = hw or _hardware(sc, ring_orders(sc))
     if table is None:
         table = layout_table(sc.model, sc.plan, formats_bits(sc.formats), sc.kv_bytes)
-    kwargs = {**profile_kwargs(sc.profile), **overrides}
+    kwargs = {**profile_kwargs(sc.profile), **overrides, "batch": sc.batch}
     plain = step_cost(sc.model, table, hw, sc.context_tokens, 1, **kwargs)
     if not sc.spec_tokens:
         return _tok(plain), plain, plain, 1.0
@@ -166,8 +170,9 @@ def decode_speed(sc: Scenario, table=None, hw: Hardware | None = None, draft: St
     return tokens / (verify.total_s + drafting_s), plain, verify, tokens
 
 
-def estimate(sc: Scenario) -> dict:
-    """Memory, decode, prefill, waterfall, bottleneck, power and cost for one scenario."""
+def estimate(sc: Scenario, curve: bool = False) -> dict:
+    """Memory, decode, prefill, waterfall, bottleneck, power and cost for one scenario (``curve``:
+    also the concurrency curve, tok/s per sequence and in all for B = 1 … max_batch)."""
     m, plan, prof = sc.model, sc.plan, sc.profile
     bits = formats_bits(sc.formats)
     rings = ring_orders(sc)
@@ -194,7 +199,8 @@ def estimate(sc: Scenario) -> dict:
     effic = apply_profile(busiest, *eff, 0.0, 0.0, hw, include_network=False)
     net = apply_profile(busiest, *eff, 0.0, prof.collective_overhead_s, hw)
     draft = draft_step(sc, hw, **profile_kwargs(prof)) if sc.spec_tokens else None
-    tok_per_s, plain, final, tokens = decode_speed(sc, table, hw, draft)
+    one = replace(sc, batch=1)  # the waterfall runs at batch 1; a "batch" step ends it at sc.batch
+    tok_per_s, plain, final, tokens = decode_speed(one, table, hw, draft)
 
     steps = [
         {"step": "seed arithmetic", "tok_per_s": naive_tok,
@@ -249,6 +255,14 @@ def estimate(sc: Scenario) -> dict:
             steps.append({"step": "draft model", "tok_per_s": tok_per_s,
                           "cause": f"{sc.draft.name} drafts on every box: {sc.spec_tokens} x {draft.total_s * 1e3:.2f} ms "
                                    f"= {drafting_s * 1e3:.1f} ms per verify step"})
+    batching = None
+    if sc.batch > 1:
+        single = tok_per_s
+        draft = draft_step(sc, hw, **profile_kwargs(prof), batch=sc.batch) if sc.spec_tokens and sc.draft else None
+        tok_per_s, _, final, _ = decode_speed(sc, table, hw, draft)
+        drafting_s = sc.spec_tokens * draft.total_s if draft is not None else 0.0
+        batching = batch_figures(sc, final, single, tok_per_s)
+        steps.append({"step": "batch", "tok_per_s": tok_per_s, "cause": batching["cause"]})
     parts = {
         "memory bandwidth": final.memory_s if final.memory_s >= final.compute_s else 0.0,
         "compute": final.compute_s if final.compute_s > final.memory_s else 0.0,
@@ -266,10 +280,17 @@ def estimate(sc: Scenario) -> dict:
         }
 
     fit = memory_fit(m, plan, bits, ctx, sc.kv_bytes, sc.box.memory_gb * GB, sc.reserve_fraction,
-                     draft_bytes(sc.draft, ctx, sc.kv_bytes), step_tokens=sc.spec_tokens + 1)
+                     draft_bytes(sc.draft, ctx, sc.kv_bytes, sc.batch), step_tokens=sc.spec_tokens + 1, batch=sc.batch)
     prefill = prefill_speed(sc, table, hw)
-    power = _power(sc, tok_per_s)
-    cost = _cost(sc, tok_per_s)
+    aggregate = sc.batch * tok_per_s
+
+    def speed_at(b: int) -> tuple[float, StepCost]:
+        tok, _, step, _ = decode_speed(replace(sc, batch=b), table, hw)
+        return tok, step
+
+    crossover = crossover_batch(lambda b: speed_at(b)[1], fit.max_batch)
+    power = _power(sc, aggregate)
+    cost = _cost(sc, aggregate)
     return {
         "model": {
             "name": m.name, "model_type": m.model_type, "total_params": m.total_params,
@@ -293,12 +314,15 @@ def estimate(sc: Scenario) -> dict:
             "draft_bytes": fit.replicated_bytes, "free_bytes": fit.free_bytes,
             "total_weight_bytes": fit.total_weight_bytes, "min_boxes_weights": fit.min_boxes_weights,
             "min_boxes": fit.min_boxes, "min_boxes_layout": fit.min_boxes_layout, "fits": fit.fits,
-            "context_tokens": ctx,
+            "context_tokens": ctx, "batch": sc.batch, "max_batch": fit.max_batch,
         },
         "decode": {
             "naive_bytes_per_token": naive_bytes, "bytes_per_token": active_bytes,
             "busiest_rank_bytes_per_token": roof.bytes_busiest,
             "naive_ceiling_tok_per_s": naive_tok, "ceiling_tok_per_s": ceiling, "tok_per_s": tok_per_s,
+            "batch": sc.batch, "aggregate_tok_per_s": aggregate, "batching": batching,
+            "compute_bound_from_batch": crossover,
+            "batch_curve": batch_curve(speed_at, fit.max_batch) if curve else None,
             "step_s": final.total_s, "memory_s": final.memory_s, "compute_s": final.compute_s,
             "collective_s": final.collective_s, "overhead_s": final.overhead_s,
             "allreduce_algorithm": final.allreduce_algorithm, "allreduce_s": final.allreduce_s,
@@ -322,13 +346,13 @@ def _formats_text(formats: dict[str, str], m: ModelSpec) -> str:
 
 
 def prefill_speed(sc: Scenario, table: core.LayoutTable, hw: Hardware) -> dict:
-    """Prefill of ``prompt_tokens`` under the scenario's profile (``core.evaluate_prefill``, row 0)."""
+    """Prefill of ``prompt_tokens`` under the scenario's profile (``grid.evaluate_prefill``, row 0)."""
     prof = sc.profile
-    out = core.evaluate_prefill(sc.model, table, 0, hw, sc.prompt_tokens, profile=prof)
+    out = grid.evaluate_prefill(sc.model, table, 0, hw, sc.prompt_tokens, profile=prof)
     return {
         "prompt_tokens": sc.prompt_tokens, "tok_per_s": float(out["tok_per_s"]), "compute_s": float(out["compute_s"]),
         "collective_s": float(out["collective_s"]),
-        "bottleneck": core.PREFILL_BOTTLENECKS[int(out["bottleneck"])],
+        "bottleneck": grid.PREFILL_BOTTLENECKS[int(out["bottleneck"])],
     }
 
 

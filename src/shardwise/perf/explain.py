@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardwise.perf import core
+from shardwise.perf import core, grid
 from shardwise.perf.configurations import NO_LINK, box_price, enumerate_layouts, link_capacity, quant_variants, switches_needed
 from shardwise.perf.estimate import formats_bits
 from shardwise.perf.profiles import get_profile, message_latency_s
@@ -31,7 +31,7 @@ def explain(result: SweepResult, req: SweepRequest, model: str, box: str, boxes:
     table = core.build_layout_table(spec, plans, formats_bits(variant.format_map), req.kv_bytes)
     prof = get_profile(req.runtime)
     drafting, replicated = draft_terms(req, (box_obj,))
-    out = core.evaluate(
+    out = grid.evaluate(
         spec, table, np.arange(len(plans)),
         core.Hardware(box_obj.memory_bandwidth_gbps * GB, box_obj.tflops_bf16 * 1e12,
                       message_latency_s(link_obj, prof) if link_obj else 0.0,

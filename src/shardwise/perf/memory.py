@@ -39,6 +39,8 @@ class MemoryFit:
     min_boxes: int  # weights + cache + workspace + reserve, split evenly
     min_boxes_layout: int | None  # smallest count whose default layout fits
     fits: bool
+    batch: int = 1  # sequences whose caches ``kv_bytes`` holds
+    max_batch: int = 0  # most sequences of the context whose caches fit beside the weights
 
     @property
     def used_bytes(self) -> float:
@@ -75,22 +77,23 @@ def rank_cache_bytes(model: ModelSpec, plan: ParallelPlan, context_tokens: int, 
     return float(core.stage_bytes(table, context_tokens, step_tokens)[1][0, rank // plan.tp])
 
 
-def _fullest_rank(table: core.LayoutTable, context_tokens: int, step_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(weights, cache) of each layout's fullest rank (bytes, per layout)."""
-    weights, cache = core.stage_bytes(table, context_tokens, step_tokens)
+def _fullest_rank(table: core.LayoutTable, context_tokens: int, step_tokens: int,
+                  batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, cache of ``batch`` sequences) of each layout's fullest rank (bytes, per layout)."""
+    weights, cache = core.stage_bytes(table, context_tokens, step_tokens, batch)
     stage = np.argmax(weights + cache, axis=1)[:, None]
     return np.take_along_axis(weights, stage, 1)[:, 0], np.take_along_axis(cache, stage, 1)[:, 0]
 
 
 def _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
-                         replicated_bytes, step_tokens: int, lowest: int, highest: int) -> int | None:
+                         replicated_bytes, step_tokens: int, batch: int, lowest: int, highest: int) -> int | None:
     """Smallest box count in [lowest, highest] whose default layout fits, all counts priced at once."""
     tps = valid_tp_degrees(model)
     counts = [n for n in range(lowest, highest + 1) if any(n % t == 0 for t in tps)]
     if not counts:
         return None
     table = core.build_layout_table(model, [default_plan(model, n) for n in counts], formats_bits, kv_bytes)
-    w, kv = _fullest_rank(table, context_tokens, step_tokens)
+    w, kv = _fullest_rank(table, context_tokens, step_tokens, batch)
     used = w + kv + table.counts.workspace_bytes + reserve_fraction * box_bytes + replicated_bytes
     fitting = np.flatnonzero(used <= box_bytes)
     return counts[int(fitting[0])] if len(fitting) else None
@@ -106,24 +109,28 @@ def memory_fit(
     reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
     replicated_bytes: float = 0.0,
     step_tokens: int = 1,
+    batch: int = 1,
 ) -> MemoryFit:
-    """Per-box memory of ``plan`` and the minimum box counts for this model on this box
-    (``replicated_bytes``: held whole on every box, e.g. a draft model)."""
+    """Per-box memory of ``plan`` with the caches of ``batch`` sequences and the minimum box
+    counts for this model on this box (``replicated_bytes``: held whole on every box, e.g. a
+    draft model; ``step_tokens``: positions one step writes, k+1 with k drafts)."""
     table = core.build_layout_table(model, [plan], formats_bits, kv_bytes)
-    w, kv = (float(x[0]) for x in _fullest_rank(table, context_tokens, step_tokens))
+    w, kv = (float(x[0]) for x in _fullest_rank(table, context_tokens, step_tokens, batch))
     work = float(table.counts.workspace_bytes[0])
     reserve = reserve_fraction * box_bytes
     total = total_weight_bytes(model, formats_bits)
     room = box_bytes - replicated_bytes
     min_weights = math.ceil(total / room) if room > 0 else 0
-    whole_cache = model.cache_bytes(context_tokens, kv_bytes)
+    whole_cache = batch * model.cache_bytes(context_tokens, kv_bytes)
     usable = room - reserve - work
     min_boxes = math.ceil((total + whole_cache) / usable) if usable > 0 else 0
     layout_count = _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
-                                        replicated_bytes, step_tokens, max(min_boxes, 1), max(4 * max(min_boxes, 1), 64))
+                                        replicated_bytes, step_tokens, batch, max(min_boxes, 1),
+                                        max(4 * max(min_boxes, 1), 64))
+    most = core.max_batch(table, context_tokens, box_bytes - reserve - work - replicated_bytes, step_tokens)
     return MemoryFit(
         box_bytes=box_bytes, weights_bytes=w, kv_bytes=kv, workspace_bytes=work, reserve_bytes=reserve,
         replicated_bytes=replicated_bytes, total_weight_bytes=total, min_boxes_weights=min_weights,
         min_boxes=min_boxes, min_boxes_layout=layout_count,
-        fits=w + kv + work + reserve + replicated_bytes <= box_bytes,
+        fits=w + kv + work + reserve + replicated_bytes <= box_bytes, batch=batch, max_batch=int(most[0]),
     )

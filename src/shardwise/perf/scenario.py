@@ -14,6 +14,7 @@ SEED = {"model": "kimi-k3", "box": "dgx-spark", "boxes": 16, "link": "100g-roce"
 """The seed's case, ``shardwise plan``'s defaults: Kimi K3 on 16 DGX Spark boxes over 100 Gb RoCE."""
 
 DEFAULT_MAX_BOXES = 64
+MAX_BATCH = 1_000_000  # sequences in one step: far beyond any box's memory, small enough to stay numeric
 """Most boxes a sweep tries when neither --boxes nor --max-boxes is given."""
 
 
@@ -42,9 +43,11 @@ def build_scenario(
     model: str, box: str, boxes: int | None, link: str, tp: int | None, ep: int | None, pp: int | None,
     context: int, prompt_tokens: int, spec_tokens: int, acceptance: float | None, workload: str | None,
     runtime: str, quant: str | None, experts: str | None, dense: str | None, price: float | None,
-    kv_dtype: str, cluster: str | None = None, draft_model: str | None = None,
+    kv_dtype: str, cluster: str | None = None, draft_model: str | None = None, batch: int = 1,
 ):
     """Resolve CLI inputs into a validated Scenario (one-line errors on bad input)."""
+    if not 1 <= batch <= MAX_BATCH:
+        raise ShardwiseError(f"--batch must be a whole number of sequences in 1..{MAX_BATCH}, got {batch}")
     from shardwise.perf.estimate import Scenario
     from shardwise.perf.profiles import get_profile
     from shardwise.plan import ParallelPlan, default_plan, validate_plan
@@ -104,7 +107,7 @@ def build_scenario(
         model=spec, box=box_obj, boxes=n, link=link_obj, plan=plan, formats=formats,
         profile=get_profile(runtime), context_tokens=context, prompt_tokens=prompt_tokens,
         spec_tokens=spec_tokens, acceptance=acc, price_usd=unit_price, price_note=price_note,
-        kv_bytes=kv_bytes, topology=topology, draft=draft,
+        kv_bytes=kv_bytes, topology=topology, draft=draft, batch=batch,
     )
 
 
@@ -171,9 +174,11 @@ def build_request(
     max_watts: float | None = None, min_tok_per_s: float | None = None, context: int = 4096,
     max_boxes: int | None = None, runtime: str = "vllm", spec_tokens: int = 0, acceptance: float | None = None,
     workload: str | None = None, prefill: bool = False, prompt_tokens: int = 2048, list_prices: bool = False,
-    kv_dtype: str = "bf16", draft_model: str | None = None,
+    kv_dtype: str = "bf16", draft_model: str | None = None, users: int = 1,
 ):
     """Resolve CLI inputs into a SweepRequest (one-line errors on bad input)."""
+    if not 1 <= users <= MAX_BATCH:
+        raise ShardwiseError(f"--users must be a whole number of sequences in 1..{MAX_BATCH}, got {users}")
     from shardwise.perf.sweep import SweepRequest
     from shardwise.perf.profiles import get_profile
     from shardwise.quant.formats import get_format
@@ -207,5 +212,5 @@ def build_request(
         experts=expert_formats, context_tokens=context, runtime=runtime, spec_tokens=spec_tokens, acceptance=acc,
         draft=draft,
         prefill=prefill, prompt_tokens=prompt_tokens, list_prices=list_prices, kv_bytes=kv_bytes,
-        budget_usd=budget, max_watts=max_watts, min_tok_per_s=min_tok_per_s,
+        budget_usd=budget, max_watts=max_watts, min_tok_per_s=min_tok_per_s, users=users,
     )

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardwise.errors import ShardwiseError
-from shardwise.perf import core
+from shardwise.perf import core, grid
 from shardwise.perf.configurations import (
     NO_LINK,
     QuantVariant,
@@ -82,7 +82,8 @@ class SweepRequest:
     reserve_fraction: float = 0.10
     budget_usd: float | None = None
     max_watts: float | None = None
-    min_tok_per_s: float | None = None
+    min_tok_per_s: float | None = None  # per sequence
+    users: int = 1  # sequences decoded together on every configuration (their caches must fit)
 
 
 @dataclass
@@ -112,7 +113,7 @@ _CONSTRAINTS = ("memory", "budget", "watts", "tok_per_s")
 
 def _constraint_text(req: SweepRequest, name: str) -> str:
     return {
-        "memory": f"memory (fit at --context {req.context_tokens} on at most {max(req.counts)} boxes)",
+        "memory": f"memory (fit {req.users} x --context {req.context_tokens} on at most {max(req.counts)} boxes)",
         "budget": f"--budget {req.budget_usd:,.0f}" if req.budget_usd is not None else "",
         "watts": f"--max-watts {req.max_watts:,.0f}" if req.max_watts is not None else "",
         "tok_per_s": f"--min-tok-per-s {req.min_tok_per_s:g}" if req.min_tok_per_s is not None else "",
@@ -142,10 +143,10 @@ def draft_terms(req: SweepRequest, boxes: tuple[Box, ...]) -> tuple[np.ndarray, 
     kwargs = profile_kwargs(get_profile(req.runtime))
     per_box = [
         req.spec_tokens * draft_step_cost(req.draft, b.memory_bandwidth_gbps * GB, b.tflops_bf16 * 1e12,
-                                          req.context_tokens, req.kv_bytes, **kwargs).total_s
+                                          req.context_tokens, req.kv_bytes, **kwargs, batch=req.users).total_s
         for b in boxes
     ]
-    return np.array(per_box), draft_bytes(req.draft, req.context_tokens, req.kv_bytes)
+    return np.array(per_box), draft_bytes(req.draft, req.context_tokens, req.kv_bytes, req.users)
 
 
 def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
@@ -207,9 +208,9 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
             table = core.build_layout_table(spec, counts, formats_bits(variant.format_map), req.kv_bytes)
             # the one validity check at this variant's formats (packed expert blocks must not be cut)
             valid = np.array([is_valid_plan(spec, p, variant.format_map) for p in plans])[:, None, None]
-            out = core.evaluate(
+            out = grid.evaluate(
                 spec, table, layout_idx, grid_hw, mem, req.context_tokens, profile=prof,
-                reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens,
+                reserve_fraction=req.reserve_fraction, spec_tokens=req.spec_tokens, batch=req.users,
                 acceptance=req.acceptance, drafting_s=drafting, replicated_bytes=replicated,
             )
             shape = buildable.shape
@@ -228,9 +229,9 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
             totals["configurations"] += int((buildable & valid).sum())
             totals["fitting"] += int((buildable & valid & fits).sum())
             totals["feasible"] += int(ok.sum())
-            grid = dict(usd=usd, watts=watts, tok=tok, out=out, shape=shape)
+            figures = dict(usd=usd, watts=watts, tok=tok, out=out, shape=shape)
             if not totals["feasible"]:  # only needed to explain an empty result
-                _track_nearest(req, name, variant, plans, boxes, links, buildable & valid, viol, nearest, overall, grid)
+                _track_nearest(req, name, variant, plans, boxes, links, buildable & valid, viol, nearest, overall, figures)
             p_i, b_i, k_i = np.nonzero(ok)
             if not len(p_i):
                 if progress:
@@ -246,7 +247,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
                 free_bytes=np.broadcast_to(out["free_bytes"], shape)[p_i, b_i, k_i],
             )
             if req.prefill:
-                pf = core.evaluate_prefill(spec, table, layout_idx, grid_hw, req.prompt_tokens, profile=prof)
+                pf = grid.evaluate_prefill(spec, table, layout_idx, grid_hw, req.prompt_tokens, profile=prof)
                 cols["prefill"] = np.broadcast_to(pf["tok_per_s"], shape)[p_i, b_i, k_i]
                 cols["prefill_bottleneck"] = np.broadcast_to(pf["bottleneck"], shape)[p_i, b_i, k_i]
             acc.add(**cols)
@@ -305,17 +306,17 @@ class _RowContext:
             "link": link.key if link else NO_LINK, "link_name": link.name if link else "one box, no link",
             "tp": plan.tp, "ep": plan.ep, "pp": plan.pp, "layout": plan.describe(),
             "quant": variant.label, "bits_per_weight": float(v["bits"]),
-            "tok_per_s": tok,
+            "tok_per_s": tok, "users": self.req.users, "aggregate_tok_per_s": self.req.users * tok,
         }
         if "prefill" in v:
             row["prefill_tok_per_s"] = float(v["prefill"])
-            row["prefill_bottleneck"] = core.PREFILL_BOTTLENECKS[int(v["prefill_bottleneck"])]
+            row["prefill_bottleneck"] = grid.PREFILL_BOTTLENECKS[int(v["prefill_bottleneck"])]
         row.update({
             "usd": usd, "watts": watts, "rated_watts": n * float(self.rated_w[int(v["box"])]),
             "switches": switches, "price_per_box_usd": float(self.prices[int(v["box"])]),
             "price_basis": box_price(box, self.req.list_prices)[1],
-            "joules_per_token": watts / tok, "usd_per_tok_per_s": usd / tok,
-            "bottleneck": core.BOTTLENECKS[int(v["bottleneck"])], "step_s": float(v["step_s"]),
+            "joules_per_token": watts / (self.req.users * tok), "usd_per_tok_per_s": usd / (self.req.users * tok),
+            "bottleneck": grid.BOTTLENECKS[int(v["bottleneck"])], "step_s": float(v["step_s"]),
             "collective_s": float(v["collective_s"]), "free_bytes": float(v["free_bytes"]),
             "context_tokens": self.req.context_tokens, "runtime": self.req.runtime,
             "spec_tokens": self.req.spec_tokens, "formats": variant.format_map,
@@ -325,7 +326,7 @@ class _RowContext:
         return row
 
 
-def _track_nearest(req, name, variant, plans, boxes, links, buildable, viol, nearest, overall, grid) -> None:
+def _track_nearest(req, name, variant, plans, boxes, links, buildable, viol, nearest, overall, figures) -> None:
     """Keep, per constraint, the configuration that meets every other one and misses this one
     least; and overall the one with the smallest summed violation."""
     total = sum(viol.values())
@@ -340,24 +341,24 @@ def _track_nearest(req, name, variant, plans, boxes, links, buildable, viol, nea
         i = np.unravel_index(int(np.argmin(score)), score.shape)
         if score[i] > 0 and score[i] < nearest[c].score:
             nearest[c].score = float(score[i])
-            nearest[c].row = _brief(req, name, variant, plans, boxes, links, i, grid, viol)
+            nearest[c].row = _brief(req, name, variant, plans, boxes, links, i, figures, viol)
     score = np.where(buildable, total, np.inf)
     i = np.unravel_index(int(np.argmin(score)), score.shape)
     if np.isfinite(score[i]) and score[i] < overall.score:
         overall.score = float(score[i])
-        overall.row = _brief(req, name, variant, plans, boxes, links, i, grid, viol)
+        overall.row = _brief(req, name, variant, plans, boxes, links, i, figures, viol)
 
 
-def _brief(req, name, variant, plans, boxes, links, i, grid, viol) -> dict:
+def _brief(req, name, variant, plans, boxes, links, i, figures, viol) -> dict:
     p, b, k = (int(x) for x in i)
     plan, link = plans[p], links[k]
-    shape = grid["shape"]
+    shape = figures["shape"]
     return {
         "text": f"{name} ({variant.label}) on {plan.world_size} x {boxes[b].key}"
                 f"{' over ' + link.key if link else ''}, {plan.describe()}",
-        "tok_per_s": float(grid["tok"][p, b, k]), "usd": float(np.broadcast_to(grid["usd"], shape)[p, b, k]),
-        "watts": float(np.broadcast_to(grid["watts"], shape)[p, b, k]),
-        "free_bytes": float(np.broadcast_to(grid["out"]["free_bytes"], shape)[p, b, k]),
+        "tok_per_s": float(figures["tok"][p, b, k]), "usd": float(np.broadcast_to(figures["usd"], shape)[p, b, k]),
+        "watts": float(np.broadcast_to(figures["watts"], shape)[p, b, k]),
+        "free_bytes": float(np.broadcast_to(figures["out"]["free_bytes"], shape)[p, b, k]),
         "violated": [c for c in _CONSTRAINTS if viol[c][p, b, k] > 0],
     }
 
