@@ -81,11 +81,11 @@ def _seed_row(row_id: str) -> float:
 
 def _resolved_rows(profile: str) -> list:
     """The rows of data/measurements.csv that shardwise.perf.calibrate fits ``profile`` on: every
-    row that resolves to that profile (profiles.toml stores their number as ``fitted_rows``)."""
+    batch-1 row that resolves to that profile (profiles.toml stores their number as ``fitted_rows``)."""
     from shardwise.perf.measurements import read_measurements, resolve
 
     rows = [resolve(m) for m in read_measurements(MEASUREMENTS_CSV)]
-    return [r for r in rows if not isinstance(r, str) and r.profile == profile]
+    return [r for r in rows if not isinstance(r, str) and r.profile == profile and r.batch == 1]
 
 
 def test_seed_rows_are_in_the_vllm_fit():

@@ -1,6 +1,7 @@
 """The model against published measurements, and the calibration that fits the runtime profiles."""
 
 import csv
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,12 @@ def test_calibrated_model_beats_the_pure_roofline(report):
 def test_unresolvable_rows_are_listed_with_a_reason_not_guessed(report):
     reasons = {u["id"]: u["reason"] for u in report["unresolved"]}
     assert "no bundled config" in reasons["2"]  # LLaMA-2 7B
-    assert "batch 32" in reasons["39"]
+    assert "39" not in reasons  # batch 32, aggregate: resolved now (see the batched test)
     assert all(u["reason"] for u in report["unresolved"])
+    # a batch > 1 row that does not say aggregate or per stream is not guessed
+    row = next(m for m in read_measurements(DEFAULT_CSV) if m.id == "39")
+    silent = replace(row, batch_size="32", metric_notes="llama-batched-bench B=32")
+    assert "does not say whether decode tok/s is the aggregate or per stream" in resolve(silent)
 
 
 def test_resolution_of_the_seed_rows():
@@ -75,3 +80,25 @@ def test_validate_cli_json():
     assert {"median_ape", "baseline_median_ape", "resolved", "unresolved", "rows"} <= set(doc)
     row = doc["rows"][0]
     assert {"measured_tok_per_s", "predicted_tok_per_s", "ape", "roofline_ape"} <= set(row)
+
+
+def test_batched_rows_are_resolved_and_reported_apart():
+    """Rows measured at batch > 1 are predicted at their batch (x batch when the row is an
+    aggregate over streams) and summarised apart from the batch-1 rows."""
+    from shardwise.perf.estimate import decode_speed
+    from shardwise.perf.measurements import read_measurements, resolve
+    from shardwise.perf.profiles import get_profile
+    from shardwise.perf.validate import scenario_of, validate_file
+
+    doc = validate_file(DEFAULT_CSV)
+    batched = [r for r in doc["rows"] if r["batch"] > 1]
+    assert doc["batched"]["resolved"] == len(batched) >= 2
+    assert doc["resolved"] == sum(1 for r in doc["rows"] if r["batch"] == 1)
+    assert all(r["aggregate"] for r in batched)  # both published batch-32 rows give the aggregate
+    by_id = {m.id: m for m in read_measurements(DEFAULT_CSV)}
+    for row in batched:
+        resolved = resolve(by_id[row["id"]])
+        assert resolved.batch == row["batch"] == 32
+        per_sequence = decode_speed(scenario_of(resolved, get_profile(resolved.profile)))[0]
+        assert row["predicted_tok_per_s"] == pytest.approx(32 * per_sequence)
+        assert per_sequence < decode_speed(scenario_of(replace(resolved, batch=1), get_profile(resolved.profile)))[0]

@@ -30,19 +30,27 @@ def register(app: typer.Typer) -> None:
 
         con = Console()
         t = Table(title="Decode tok/s: predicted vs measured")
-        for col in ("id", "model", "box", "n", "layout", "profile", "measured", "predicted", "APE %", "roofline", "roofline APE %"):
+        for col in ("id", "model", "box", "n", "layout", "batch", "profile", "measured", "predicted", "APE %", "roofline",
+                    "roofline APE %"):
             t.add_column(col, justify="right" if col not in ("id", "model", "box", "layout", "profile") else "left")
         for r in doc["rows"]:
             t.add_row(
-                r["id"], r["model"], r["box"], str(r["boxes"]), r["layout"], r["profile"],
+                r["id"], r["model"], r["box"], str(r["boxes"]), r["layout"],
+                f"{r['batch']}{' (all)' if r['aggregate'] else ''}", r["profile"],
                 f"{r['measured_tok_per_s']:.2f}", f"{r['predicted_tok_per_s']:.2f}", f"{r['ape']:.0f}",
                 f"{r['roofline_tok_per_s']:.2f}", f"{r['roofline_ape']:.0f}",
             )
         con.print(t)
         if doc["resolved"]:
             con.print(
-                f"median APE: [bold]{doc['median_ape']:.1f}%[/] over {doc['resolved']} rows "
+                f"median APE at batch 1: [bold]{doc['median_ape']:.1f}%[/] over {doc['resolved']} rows "
                 f"(pure roofline: {doc['baseline_median_ape']:.1f}%)"
+            )
+        b = doc["batched"]
+        if b["resolved"]:
+            con.print(
+                f"rows at batch > 1, apart: median APE [bold]{b['median_ape']:.1f}%[/] over {b['resolved']} rows "
+                f"(pure roofline: {b['baseline_median_ape']:.1f}%)"
             )
         con.print(f"unresolved rows: {len(doc['unresolved'])}")
         for u in doc["unresolved"]:

@@ -90,7 +90,7 @@ def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfil
 def calibrate(path: str | Path = DEFAULT_CSV) -> dict[str, RuntimeProfile]:
     """Fitted profiles (the unfitted ones unchanged), by name."""
     profiles = load_profiles()
-    rows = [r for r in (resolve(m) for m in read_measurements(path)) if not isinstance(r, str)]
+    rows = [r for r in (resolve(m) for m in read_measurements(path)) if not isinstance(r, str) and r.batch == 1]
     out = dict(profiles)
     for name in FITTED:
         mine = [r for r in rows if r.profile == name]

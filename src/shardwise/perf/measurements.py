@@ -48,6 +48,7 @@ class Measurement:
     prefill_tok_s: float | None
     speculative_decoding: str
     source: str
+    metric_notes: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class ResolvedRow:
     spec_tokens: int
     acceptance: float
     notes: tuple[str, ...] = field(default=())
+    batch: int = 1  # sequences decoded together
+    aggregate: bool = False  # decode_tok_s sums all sequences (else it is per sequence)
 
 
 def parse_number(text: str) -> float | None:
@@ -104,6 +107,7 @@ def read_measurements(path: str | Path) -> list[Measurement]:
                     gen_tokens=num("gen_tokens"), batch_size=row["batch_size"],
                     decode_tok_s=parse_number(row["decode_tok_s"]), prefill_tok_s=parse_number(row["prefill_tok_s"]),
                     speculative_decoding=row["speculative_decoding"], source=row["source"],
+                    metric_notes=row.get("metric_notes") or "",
                 )
             )
     return out
@@ -144,8 +148,10 @@ def resolve(m: Measurement) -> ResolvedRow | str:
 
     if m.decode_tok_s is None:
         return "no decode tok/s"
-    if not m.batch_size.strip().startswith("1"):
-        return f"batch {m.batch_size}: the model covers batch 1"
+    batch = batch_of(m)
+    if isinstance(batch, str):
+        return batch
+    batch, aggregate = batch
     notes: list[str] = []
     model_alias = match_alias("models", m.model)
     if model_alias is None:
@@ -202,5 +208,23 @@ def resolve(m: Measurement) -> ResolvedRow | str:
     return ResolvedRow(
         measurement=m, model=model, box_key=box_alias["key"], link_key=link_key, plan=plan, formats=formats,
         profile=soft["key"], context_tokens=context, spec_tokens=spec_tokens, acceptance=acceptance,
-        notes=tuple(notes),
+        notes=tuple(notes), batch=batch, aggregate=aggregate,
     )
+
+
+def batch_of(m: Measurement) -> tuple[int, bool] | str:
+    """(sequences decoded together, whether decode_tok_s is their aggregate), or why the row's
+    batch cannot be read. The batch is the column's leading number; a row measured at more than
+    one sequence must say "aggregate" or "per-stream" in its batch or metric notes."""
+    number = re.match(r"\s*(\d+)", m.batch_size)
+    if number is None or int(number.group(1)) < 1:
+        return f"batch '{m.batch_size}' is not a number of sequences"
+    batch = int(number.group(1))
+    text = f"{m.batch_size} {m.metric_notes}".lower()
+    if batch == 1:
+        return 1, False
+    if "aggregate" in text:
+        return batch, True
+    if "per-stream" in text or "per stream" in text:
+        return batch, False
+    return f"batch {batch}: the row does not say whether decode tok/s is the aggregate or per stream"
