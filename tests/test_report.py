@@ -84,7 +84,7 @@ def test_default_report_renders_every_chart_in_chromium(tmp_path):
     text = out.read_text()
     assert "<script src" not in text and "<link " not in text, "the report must not load anything"
     assert "Kimi" in text or "kimi-k3" in text
-    _check_rendered(out, CHART_IDS)
+    _check_rendered(out, CHART_IDS + ("concurrency",))
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "report.png"
     if shot.exists():

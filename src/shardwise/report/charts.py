@@ -265,3 +265,31 @@ def timeline(plan: dict | None, trace: RunDocument | None) -> Chart:
                    f"compute, communication (the step's collectives spread evenly over layers) and waiting on other "
                    f"pipeline stages; pass a trace from the runtime's --trace to add measured rows.")
     return Chart("timeline", "Per-layer timeline", fig, caption)
+
+
+# ---- concurrency --------------------------------------------------------------------------------
+
+
+def concurrency(plan: dict) -> Chart:
+    """Per-sequence and aggregate decode tok/s against the batch (the plan's ``--batch-curve``)."""
+    curve = plan["decode"]["batch_curve"]
+    batches = [r["batch"] for r in curve]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=batches, y=[r["aggregate_tok_per_s"] for r in curve], mode="lines+markers",
+                             name="tok/s in all", line=dict(color="#2ca02c")))
+    fig.add_trace(go.Scatter(x=batches, y=[r["tok_per_s"] for r in curve], mode="lines+markers",
+                             name="tok/s per sequence", line=dict(color="#1f77b4"), yaxis="y2"))
+    cross = plan["decode"].get("compute_bound_from_batch")
+    if cross:
+        fig.add_vline(x=cross, line=dict(color="#d62728", dash="dot"),
+                      annotation_text=f"compute-bound from {cross}", annotation_position="top left")
+    fig.update_layout(**_LAYOUT, xaxis=dict(title="sequences decoded together (batch)", type="log"),
+                      yaxis=dict(title="decode tok/s, all sequences"),
+                      yaxis2=dict(title="decode tok/s per sequence", overlaying="y", side="right", rangemode="tozero"),
+                      legend=dict(orientation="h", y=1.08))
+    most = plan["memory"]["max_batch"]
+    caption = (f"{_label(plan)}: {_fmt(curve[0]['tok_per_s'])} tok/s for one sequence; at the {most} sequences whose "
+               f"caches fit at {plan['memory']['context_tokens']:,} tokens, {_fmt(curve[-1]['tok_per_s'])} each and "
+               f"{_fmt(curve[-1]['aggregate_tok_per_s'])} in all"
+               + (f"; decode turns compute-bound from batch {cross}." if cross else "; decode stays memory-bound."))
+    return Chart("concurrency", "Users at once: speed per sequence and in all", fig, caption)

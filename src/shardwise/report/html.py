@@ -71,6 +71,10 @@ def build_charts(inputs: Inputs) -> tuple[list[charts.Chart], list[str]]:
         else:
             prof = get_profile(plan["plan"]["runtime"])
             out.append(charts.roofline(plan, peak, prof.mem_efficiency, prof.compute_efficiency))
+        if plan["decode"].get("batch_curve"):
+            out.append(charts.concurrency(plan))
+        else:
+            notes.append("no concurrency chart: pass a plan made with --batch-curve")
     else:
         notes.append("no waterfall, memory or roofline chart: pass a plan (`shardwise plan --json > plan.json`)")
     if inputs.sweep is not None:
@@ -145,7 +149,7 @@ def default_inputs(max_boxes: int = 32) -> Inputs:
 
     sc = build_scenario(SEED["model"], SEED["box"], SEED["boxes"], SEED["link"], None, None, None, 4096, 2048, 0,
                         None, None, "vllm", None, None, None, None, "bf16")
-    plan = estimate(sc)
+    plan = estimate(sc, curve=True)
     rows = run_sweep(build_request(model=SEED["model"], max_boxes=max(max_boxes, SEED["boxes"]))).rows
     return Inputs(plan=plan, sweep=rows, sources={"plan": "shardwise plan (defaults)",
                                                   "sweep": f"shardwise sweep --model {SEED['model']} --max-boxes {max_boxes}"})
