@@ -118,9 +118,15 @@ def register(app: typer.Typer) -> None:
         batch_curve: Annotated[bool, typer.Option(
             "--batch-curve", help="add per-sequence and aggregate tok/s for batch 1 .. the most that fits")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
+        emit: Annotated[Optional[str], typer.Option(
+            "--emit", help="print the per-host commands that run this plan instead of the tables: vllm or shardwise "
+                           "(with --json: the document's \"launch\" section)")] = None,
     ) -> None:
         """Plan a model on a cluster: memory fit, decode/prefill speed, waterfall, bottleneck, power, cost."""
         from shardwise.perf.estimate import estimate
+        from shardwise.perf.launch_commands import check_target, launch_plan
+
+        check_target(emit)
 
         sc = build_scenario(
             model, box, boxes, link, tp, ep, pp, context, prompt_tokens, spec_tokens, acceptance, workload,
@@ -135,7 +141,12 @@ def register(app: typer.Typer) -> None:
                 f"{sc.model.name} does not fit on {sc.boxes} x {sc.box.name}{at_batch} ({-mem['free_bytes'] / 1e9:,.1f} GB "
                 f"short on the fullest box): it needs {need if need else 'more than 64'} boxes"
             )
+        launch = launch_plan(emit, doc, sc, model, draft_model, cluster) if emit else None
         if json_out:
+            if launch is not None:
+                doc["launch"] = launch.to_json()
             print(json.dumps(doc, indent=2))
+        elif launch is not None:
+            print("\n".join(launch.lines()))
         else:
             render(doc)

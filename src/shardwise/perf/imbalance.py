@@ -79,7 +79,7 @@ def expected_max_load_tokens(num_experts: int, top_k: int, ep: int, tokens: int)
         return expected_max_load(num_experts, top_k, ep)
     q = 1.0 - (1.0 - top_k / num_experts) ** tokens
     per = num_experts // ep
-    if ep <= 1:
+    if ep <= 1 or q >= 1.0:  # q rounds to 1 for large batches: every expert is touched
         return per * q
     c = np.arange(per + 1)
     log_pmf = (
