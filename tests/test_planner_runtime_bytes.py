@@ -27,12 +27,13 @@ import pytest
 import torch
 
 from shardwise.perf.estimate import formats_bits
-from shardwise.perf.memory import rank_cache_bytes, rank_weight_bytes
+from shardwise.perf.memory import rank_cache_bytes, rank_group_bytes, rank_weight_bytes
 from shardwise.plan import ParallelPlan, rank_param_counts
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.loader import load_spec
 from shardwise.runtime.model import ShardedCausalLM, param_dtype
 from shardwise.spec.model import NORM, ROUTED_EXPERTS, ROUTER, TENSOR_GROUPS
+from shardwise.spec.tensors import unpacked_key
 
 FAMILIES = {"llama": "llama-3.1-8b", "qwen3_moe": "qwen3-30b-a3b", "deepseek_v3": "deepseek-v3", "gpt_oss": "gpt-oss-20b"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -47,10 +48,6 @@ PLANS = {
 }
 CONTEXTS = (5, 40)  # below and above the tiny gpt-oss window of 8
 
-PLANNER_EXPERT_BIAS = (
-    "planner: MXFP4 routed_experts bits (4.25) are applied to the gpt-oss expert biases too, which the runtime "
-    "keeps unpacked at the run dtype"
-)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +69,7 @@ def runtime_formats_bits(spec, dtype: torch.dtype) -> dict[str, float]:
         bits[g] = 32.0
     if spec.quant_formats.get(ROUTED_EXPERTS) == "mxfp4":
         bits[ROUTED_EXPERTS] = MXFP4_BITS
+        bits[unpacked_key(ROUTED_EXPERTS)] = float(BITS[dtype])  # expert biases stay at the run dtype
     return bits
 
 
@@ -98,10 +96,7 @@ def _cases(specs_keys):
         base = family.split("_mxfp4")[0].split("_v")[0]
         for tp, ep in PLANS["llama" if base == "llama" else "moe"]:
             for dname in DTYPES:
-                marks = []
-                if family == "gpt_oss_mxfp4":
-                    marks.append(pytest.mark.xfail(strict=True, reason=PLANNER_EXPERT_BIAS))
-                yield pytest.param(family, tp, ep, dname, marks=marks, id=f"{family}-tp{tp}-ep{ep}-{dname}")
+                yield pytest.param(family, tp, ep, dname, id=f"{family}-tp{tp}-ep{ep}-{dname}")
 
 
 WEIGHT_CASES = list(_cases(["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama_v509", "gpt_oss_mxfp4",
@@ -125,7 +120,8 @@ def test_weight_bytes_per_rank(specs, family, tp, ep, dname):
         model = ShardedCausalLM(spec, plan, rank, dtype, max_seq_len=8)
         assert not _weight_buffers(model), f"weight-holding buffers: {_weight_buffers(model)}"
         runtime = _runtime_group_bytes(model)
-        planner = {g: n * bits[g] / 8 for g, n in rank_param_counts(spec, plan, rank).items() if n}
+        planner = rank_group_bytes(spec, plan, bits, rank)
+        assert set(planner) == {g for g, n in rank_param_counts(spec, plan, rank).items() if n}
         diff = {g: (planner.get(g, 0), runtime.get(g, 0)) for g in set(planner) | set(runtime)
                 if not math.isclose(planner.get(g, 0), runtime.get(g, 0))}
         assert not diff, f"rank {rank}: group (planner bytes, runtime bytes) {diff}"

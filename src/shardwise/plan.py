@@ -22,10 +22,6 @@ from shardwise.errors import ShardwiseError
 from shardwise.quant.formats import get_format
 from shardwise.spec.model import EMBEDDING, ROUTED_EXPERTS, ModelSpec, TensorSpec
 
-PACKED_BLOCK_MAX = 256
-"""Block formats up to this many weights per scale run along the input dimension and stay
-packed in the runtime's memory (MXFP4 32, NVFP4 16, int4 groups 128); fp8's 128×128 tiles are
-decoded at load and may be cut anywhere."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +155,7 @@ def _check_expert_blocks(model: ModelSpec, plan: ParallelPlan, formats: Mapping[
     if model.moe is None or plan.etp == 1:
         return
     fmt = get_format(formats.get(ROUTED_EXPERTS, model.dtype))
-    if not fmt.block_size or fmt.block_size > PACKED_BLOCK_MAX:
+    if not fmt.packed:
         return
     for tensor in model.distinct_tensors:
         if not tensor.is_routed or len(tensor.shape) - (tensor.expert_dim is not None) < 2:

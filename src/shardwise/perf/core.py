@@ -34,7 +34,8 @@ from shardwise.perf import collectives
 from shardwise.perf.imbalance import distinct_experts, expected_max_load_tokens
 from shardwise.plan import ParallelPlan, held_numel, picked_expert_numel, stage_globals
 from shardwise.spec.mixers import cache_positions
-from shardwise.spec.model import EMBEDDING, LM_HEAD, TENSOR_GROUPS, LayerSpec, ModelSpec
+from shardwise.spec.model import EMBEDDING, LM_HEAD, TENSOR_GROUPS, LayerSpec, ModelSpec, TensorSpec
+from shardwise.spec.tensors import unpacked_key
 
 ACTIVATION_BYTES = 2  # bf16 activations on the wire
 SAMPLE_BYTES = 8  # one (value, index) pair per rank and position for greedy sampling
@@ -43,6 +44,19 @@ WORKSPACE_HIDDEN_BUFFERS = 8  # ... as this many hidden-wide buffers plus the lo
 WORKSPACE_ELEMENT_BYTES = 4.0  # ... in float32
 
 _GROUP = {g: i for i, g in enumerate(TENSOR_GROUPS)}
+_COLUMNS = 2 * len(TENSOR_GROUPS)  # per group: matmul weights, then biases and 1-D parameters
+
+
+def _column(t: TensorSpec) -> int:
+    """A tensor's column in the ``*_numel_g`` arrays: its group's, in the second half when it is
+    not a matmul weight (those stay unpacked when the group is packed: ``tensors.tensor_bits``)."""
+    return _GROUP[t.group] + (0 if t.is_matmul else len(TENSOR_GROUPS))
+
+
+def byte_vector(formats_bits: dict[str, float]) -> np.ndarray:
+    """Bytes per element of each ``*_numel_g`` column at ``formats_bits``."""
+    return np.array([formats_bits[g] / 8 for g in TENSOR_GROUPS]
+                    + [formats_bits.get(unpacked_key(g), formats_bits[g]) / 8 for g in TENSOR_GROUPS])
 
 
 @dataclass(frozen=True)
@@ -62,8 +76,9 @@ class Hardware:
 class LayoutCounts:
     """Quantization-independent figures per layout (first axis) and layer (second axis).
 
-    ``*_numel_g`` arrays have a trailing tensor-group axis (``TENSOR_GROUPS`` order): elements
-    on one tensor rank. Cache figures are bytes at the given KV dtype.
+    ``*_numel_g`` arrays have a trailing column axis: elements on one tensor rank per tensor group
+    (``TENSOR_GROUPS`` order), matmul weights first, then the group's biases and 1-D parameters
+    (``byte_vector`` prices them). Cache figures are bytes at the given KV dtype.
     """
 
     plans: tuple[ParallelPlan, ...]
@@ -120,11 +135,10 @@ def _signature(layer: LayerSpec) -> tuple:
 def _layer_row(model: ModelSpec, layer: LayerSpec, plan: ParallelPlan, kv_bytes: float) -> tuple:
     """One layer on one tensor rank of ``plan``: (dense_g, expert_g, held_g, dense matmul, expert
     matmul, cache bytes per ctx, state held, state traffic, FLOPs per ctx, constant FLOPs)."""
-    g = len(TENSOR_GROUPS)
-    dense, expert, held = np.zeros(g), np.zeros(g), np.zeros(g)
+    dense, expert, held = np.zeros(_COLUMNS), np.zeros(_COLUMNS), np.zeros(_COLUMNS)
     dense_mm = expert_mm = 0
     for t in layer.tensors:
-        gi = _GROUP[t.group]
+        gi = _column(t)
         n = held_numel(t, plan)
         held[gi] += n
         if t.is_routed:
@@ -144,7 +158,7 @@ def _layer_row(model: ModelSpec, layer: LayerSpec, plan: ParallelPlan, kv_bytes:
 def _global_reads(model: ModelSpec, plan: ParallelPlan) -> tuple[np.ndarray, float, int]:
     """Globals read per step at one position per group, the extra embedding elements per extra
     position, and the LM-head rows one rank multiplies."""
-    read = np.zeros(len(TENSOR_GROUPS))
+    read = np.zeros(_COLUMNS)
     head = next((t for t in model.globals if t.group == LM_HEAD), None)
     embedding = next(t for t in model.globals if t.group == EMBEDDING)
     vocab_rows = (head or embedding).tp_shard_len(plan.tp) if plan.tp > 1 else model.vocab_size
@@ -154,7 +168,7 @@ def _global_reads(model: ModelSpec, plan: ParallelPlan) -> tuple[np.ndarray, flo
         elif t.group == LM_HEAD:
             read[_GROUP[LM_HEAD]] += vocab_rows * model.hidden_size
         else:
-            read[_GROUP[t.group]] += t.numel
+            read[_column(t)] += t.numel
     if head is None:  # tied: the LM head multiplies the embedding's rows
         read[_GROUP[EMBEDDING]] += vocab_rows * model.hidden_size
     return read, float(model.hidden_size), vocab_rows
@@ -183,13 +197,13 @@ def count_layouts(model: ModelSpec, plans: list[ParallelPlan], kv_bytes: float =
                  for j, name in enumerate(names)}
     max_pp = max((p.pp for p in plans), default=1)
     start, stop = np.zeros((len(plans), max_pp), np.int64), np.zeros((len(plans), max_pp), np.int64)
-    stage_globals_g = np.zeros((len(plans), max_pp, len(TENSOR_GROUPS)))
+    stage_globals_g = np.zeros((len(plans), max_pp, _COLUMNS))
     for i, plan in enumerate(plans):
         for s in range(plan.pp):
             layers = plan.stage_layers(model.num_layers, s)
             start[i, s], stop[i, s] = layers.start, layers.stop
             for t in stage_globals(model, plan, s):
-                stage_globals_g[i, s, _GROUP[t.group]] += held_numel(t, plan)
+                stage_globals_g[i, s, _column(t)] += held_numel(t, plan)
     tp = np.array([p.tp for p in plans], dtype=np.int64)
     vocab_rows = gather(lambda e: np.float64(e[1][2]))
     hidden_buffers = WORKSPACE_HIDDEN_BUFFERS * model.hidden_size
@@ -223,9 +237,8 @@ def build_layout_table(
     quantizations of the same layouts without counting again.
     """
     counts = plans if isinstance(plans, LayoutCounts) else count_layouts(model, plans, kv_bytes)
-    byte_g = np.array([formats_bits[g] / 8 for g in TENSOR_GROUPS])
+    byte_g = byte_vector(formats_bits)
     stage = _stage_sum(counts.held_numel_g @ byte_g, counts) + counts.stage_globals_numel_g @ byte_g
-    total_bits = sum(n * formats_bits[g] for g, n in model.params_by_group.items())
     return LayoutTable(
         counts=counts,
         dense_bytes=counts.dense_numel_g @ byte_g,
@@ -233,8 +246,19 @@ def build_layout_table(
         head_bytes=counts.global_read_numel_g @ byte_g,
         embedding_row_bytes=counts.embedding_row_numel * byte_g[_GROUP[EMBEDDING]],
         stage_weights_bytes=np.where(counts.stage_valid, stage, -np.inf),
-        bits_per_weight=total_bits / model.total_params,
+        bits_per_weight=8 * model.weight_bytes(formats_bits) / model.total_params,
     )
+
+
+def stage_group_bytes(table: LayoutTable, formats_bits: dict[str, float], layout: int = 0,
+                      stage: int = 0) -> dict[str, float]:
+    """Weight bytes per tensor group one rank of ``stage`` of ``layout`` holds."""
+    c = table.counts
+    layers = slice(int(c.stage_start[layout, stage]), int(c.stage_stop[layout, stage]))
+    numel = c.held_numel_g[layout, layers].sum(axis=0) + c.stage_globals_numel_g[layout, stage]
+    priced = numel * byte_vector(formats_bits)
+    n = len(TENSOR_GROUPS)
+    return {g: float(priced[i] + priced[n + i]) for i, g in enumerate(TENSOR_GROUPS) if numel[i] or numel[n + i]}
 
 
 def stage_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1,

@@ -17,7 +17,8 @@ from shardwise.perf.profiles import RuntimeProfile, message_latency_s
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.plan import ParallelPlan
 from shardwise.quant.formats import get_format
-from shardwise.spec.model import ModelSpec
+from shardwise.spec.model import EMBEDDING, ModelSpec
+from shardwise.spec.tensors import unpacked_key
 
 GB = 1e9
 ACTIVE_CONVENTION = (
@@ -100,8 +101,14 @@ def _hardware(sc: Scenario, rings: dict | None) -> Hardware:
 
 
 def formats_bits(formats: dict[str, str]) -> dict[str, float]:
-    """Bits per weight per tensor group from the codec-backed format registry."""
-    return {g: get_format(f).bits_per_weight for g, f in formats.items()}
+    """Bits per weight per tensor group from the codec-backed format registry; for a group in a
+    packed block format also the bits its biases and 1-D parameters keep (``unpacked_key``): the
+    model's unquantized dtype, the embedding's format (no scheme quantizes the embedding)."""
+    bits = {g: get_format(f).bits_per_weight for g, f in formats.items()}
+    for g, f in formats.items():
+        if get_format(f).packed:
+            bits[unpacked_key(g)] = bits[EMBEDDING]
+    return bits
 
 
 def _tok(step: StepCost, tokens: float = 1.0) -> float:
@@ -186,7 +193,7 @@ def estimate(sc: Scenario, curve: bool = False) -> dict:
     naive_bytes = m.active_params * avg_bits / 8
     agg_bw = sc.boxes * hw.mem_bandwidth_bytes_per_s
     naive_tok = agg_bw / naive_bytes
-    active_bytes = sum(n * bits[g] / 8 for g, n in m.active_params_by_group.items())
+    active_bytes = m.weight_bytes(bits, active=True)
     precision_tok = agg_bw / active_bytes
     stage_bw = plan.tp * hw.mem_bandwidth_bytes_per_s
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardwise.perf import core
-from shardwise.plan import ParallelPlan, default_plan, rank_param_counts, valid_tp_degrees
+from shardwise.plan import ParallelPlan, default_plan, valid_tp_degrees
 from shardwise.spec.model import ModelSpec
 
 DEFAULT_RESERVE_FRACTION = 0.10
@@ -53,19 +53,21 @@ class MemoryFit:
         return self.box_bytes - self.used_bytes
 
 
-def weight_bytes(counts: dict[str, int], formats_bits: dict[str, float]) -> float:
-    """Bytes of parameter counts per group at each group's bits/weight."""
-    return sum(n * formats_bits[g] / 8 for g, n in counts.items())
-
-
 def total_weight_bytes(model: ModelSpec, formats_bits: dict[str, float]) -> float:
     """Bytes of the whole model at its formats."""
-    return weight_bytes(model.params_by_group, formats_bits)
+    return model.weight_bytes(formats_bits)
 
 
 def rank_weight_bytes(model: ModelSpec, plan: ParallelPlan, formats_bits: dict[str, float], rank: int) -> float:
-    """Bytes of weights rank ``rank`` holds."""
-    return weight_bytes(rank_param_counts(model, plan, rank), formats_bits)
+    """Bytes of weights rank ``rank`` holds (the cost core's stage weights)."""
+    table = core.build_layout_table(model, [plan], formats_bits)
+    return float(table.stage_weights_bytes[0, rank // plan.tp])
+
+
+def rank_group_bytes(model: ModelSpec, plan: ParallelPlan, formats_bits: dict[str, float], rank: int) -> dict[str, float]:
+    """Bytes of weights rank ``rank`` holds per tensor group (biases of packed groups unpacked)."""
+    table = core.build_layout_table(model, [plan], formats_bits)
+    return core.stage_group_bytes(table, formats_bits, 0, rank // plan.tp)
 
 
 def rank_cache_bytes(model: ModelSpec, plan: ParallelPlan, context_tokens: int, kv_bytes: float, rank: int,

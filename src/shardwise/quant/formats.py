@@ -11,6 +11,9 @@ from shardwise.errors import unknown_name
 from shardwise.quant import mxfp4_codec, nvfp4_codec
 
 
+PACKED_BLOCK_MAX = 256  # weights per scale of the largest 1-D block format
+
+
 @dataclass(frozen=True)
 class QuantFormat:
     """One storage format.
@@ -26,6 +29,12 @@ class QuantFormat:
     scale_bits: int
     description: str
     source: str
+
+    @property
+    def packed(self) -> bool:
+        """True for a 1-D block format (MXFP4 32, NVFP4 16, int4 groups 128 along the input) that
+        stays packed in memory; fp8's 128×128 tiles are decoded at load."""
+        return self.block_size is not None and self.block_size <= PACKED_BLOCK_MAX
 
     def weight_bytes(self, params: int) -> float:
         """Bytes to store params weights in this format."""

@@ -36,6 +36,7 @@ from shardwise.spec.tensors import (  # noqa: F401  (the tensor vocabulary, re-e
     SHARED_EXPERTS,
     TENSOR_GROUPS,
     TensorSpec,
+    unpacked_key,
 )
 
 
@@ -155,11 +156,32 @@ class ModelSpec:
     @cached_property
     def active_params_by_group(self) -> dict[str, int]:
         """Parameters one decoded token touches per group; input embedding excluded."""
-        counts = dict(self.params_by_group)
-        counts[EMBEDDING] = 0
-        if self.moe is not None:
-            counts[ROUTED_EXPERTS] = counts[ROUTED_EXPERTS] * self.moe.top_k // self.moe.num_experts
+        return self._active(self.params_by_group)
+
+    @cached_property
+    def unpacked_params_by_group(self) -> dict[str, int]:
+        """Per group, the parameters that are not matmul weights (biases, 1-D parameters): they
+        stay unpacked when the group is stored in a block format (``tensors.tensor_bits``)."""
+        counts = dict.fromkeys(TENSOR_GROUPS, 0)
+        for t in self.tensors():
+            if not t.is_matmul:
+                counts[t.group] += t.total_numel
         return counts
+
+    def _active(self, counts: Mapping[str, int]) -> dict[str, int]:
+        out = dict(counts)
+        out[EMBEDDING] = 0
+        if self.moe is not None:
+            out[ROUTED_EXPERTS] = out[ROUTED_EXPERTS] * self.moe.top_k // self.moe.num_experts
+        return out
+
+    def weight_bytes(self, formats_bits: Mapping[str, float], active: bool = False) -> float:
+        """Bytes of every weight (``active``: of the weights one decoded token touches) at
+        ``formats_bits``, biases and 1-D parameters of packed groups unpacked."""
+        unpacked = self.unpacked_params_by_group
+        counts, small = (self.active_params_by_group, self._active(unpacked)) if active else (self.params_by_group, unpacked)
+        return sum((n - small[g]) * formats_bits[g] + small[g] * formats_bits.get(unpacked_key(g), formats_bits[g])
+                   for g, n in counts.items()) / 8
 
     @property
     def total_params(self) -> int:

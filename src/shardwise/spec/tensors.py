@@ -38,6 +38,12 @@ TENSOR_GROUPS = (
 MATMUL_GROUPS = (ATTENTION, LINEAR_ATTENTION, DENSE_MLP, SHARED_EXPERTS, ROUTED_EXPERTS, LATENT_PROJ)
 
 
+def unpacked_key(group: str) -> str:
+    """Key of a bits-per-weight table for the biases and 1-D parameters of ``group`` when the
+    group's format is a packed block format: those stay unpacked (``tensor_bits``)."""
+    return f"{group}:unpacked"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One weight tensor (or one per-expert template) of the checkpoint.
@@ -149,3 +155,11 @@ def experts(prefix: str, hidden: int, inter: int, n: int, names=("gate_proj", "u
 def layer_norms(prefix: str, hidden: int) -> list[TensorSpec]:
     """The pre-attention and pre-MLP norms of a decoder layer."""
     return [norm(f"{prefix}input_layernorm.weight", hidden), norm(f"{prefix}post_attention_layernorm.weight", hidden)]
+
+
+def tensor_bits(tensor: TensorSpec, formats_bits: dict[str, float]) -> float:
+    """Bits per weight ``tensor`` is stored at: its group's, except that the biases and 1-D
+    parameters of a group in a packed block format stay unpacked (``unpacked_key``)."""
+    if tensor.is_matmul:
+        return formats_bits[tensor.group]
+    return formats_bits.get(unpacked_key(tensor.group), formats_bits[tensor.group])
