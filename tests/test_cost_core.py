@@ -46,9 +46,10 @@ def test_sliding_layers_hold_only_their_window():
 def test_linear_state_splits_by_heads_with_pipeline_stages():
     # Qwen3.5-397B: 60 layers, every 4th full attention (2 KV heads x 256), the rest Gated DeltaNet:
     # 64 value heads x 128 x 128 fp32 state + 3 conv positions of (2 x 16 x 128 + 64 x 128) channels
+    # in the cache dtype (bf16 here)
     m = load_model("qwen3.5-397b-a17b")
     plan = ParallelPlan(tp=2, pp=2)  # stage 0 = layers 0..29: 23 DeltaNet + 7 full layers
-    state = (64 * 128 * 128 + 3 * (2 * 16 * 128 + 64 * 128)) * 4 / 2
+    state = (64 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 64 * 128) * 2) / 2
     kv = 2 * 1 * 256 * 2
     assert rank_cache_bytes(m, plan, CTX, 2.0, 0) == 23 * state + 7 * kv * CTX
     assert rank_cache_bytes(m, plan, CTX, 2.0, 3) == 22 * state + 8 * kv * CTX

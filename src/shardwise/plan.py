@@ -98,9 +98,10 @@ def _tp_problem(model: ModelSpec, tp: int, splits: list[TensorSpec]) -> str | No
     if la is not None and la.num_key_heads % tp and tp % la.num_key_heads:
         return f"{la.num_key_heads} linear-attention key heads"
     for t in splits:
-        units = t.shape[t.tp_dim] // t.tp_unit
-        if units % tp and not (units < tp and tp % units == 0):
-            return f"{units} {'units of ' + str(t.tp_unit) if t.tp_unit > 1 else 'rows'} of '{t.name}'"
+        for length, unit in t.tp_parts or ((t.shape[t.tp_dim], t.tp_unit),):
+            units = length // unit
+            if units % tp and not (units < tp and tp % units == 0):
+                return f"{units} {'units of ' + str(unit) if unit > 1 else 'rows'} of '{t.name}'"
     return None
 
 
@@ -232,6 +233,23 @@ def shard_slice(tensor: TensorSpec, plan: ParallelPlan, tp_rank: int) -> tuple[i
     else:
         start = (tp_rank // (plan.tp // units)) * tensor.tp_unit
     return start, min(start + size, full)  # a padded (tp_pad) slice may end past the tensor
+
+
+def shard_spans(tensor: TensorSpec, plan: ParallelPlan, tp_rank: int) -> list[tuple[int, int]]:
+    """(start, stop) ranges along ``tp_dim`` that ``tp_rank`` holds, in order: one per part of a
+    fused tensor (``tp_parts``, each cut like a tensor of its own), else ``shard_slice``'s range
+    (the whole dimension when TP does not cut it)."""
+    if not tensor.tp_parts:
+        cut = shard_slice(tensor, plan, tp_rank)
+        return [cut if cut is not None else (0, tensor.shape[tensor.tp_dim])]
+    spans, offset = [], 0
+    for length, unit in tensor.tp_parts:
+        part = TensorSpec(tensor.name, (length,), tensor.group, tp_dim=0, tp_unit=unit)
+        cut = shard_slice(part, plan, tp_rank)
+        start, stop = cut if cut is not None else (0, length)
+        spans.append((offset + start, offset + stop))
+        offset += length
+    return spans
 
 
 def local_experts(num_experts: int, plan: ParallelPlan, tp_rank: int) -> range:

@@ -33,7 +33,7 @@ import numpy as np
 from shardwise.perf import collectives
 from shardwise.perf.imbalance import distinct_experts, expected_max_load_tokens
 from shardwise.plan import ParallelPlan, held_numel, picked_expert_numel, stage_globals
-from shardwise.spec.mixers import cache_positions
+from shardwise.spec.mixers import cache_positions, conv_channels, state_slots
 from shardwise.spec.model import EMBEDDING, LM_HEAD, TENSOR_GROUPS, LayerSpec, ModelSpec, TensorSpec
 from shardwise.spec.tensors import unpacked_key
 
@@ -88,11 +88,12 @@ class LayoutCounts:
     dense_matmul_numel: np.ndarray  # (P, L) non-expert matmul weights one rank multiplies
     expert_matmul_numel: np.ndarray  # (P, L) one expert's matmul weights
     cache_bytes_per_ctx: np.ndarray  # (P, L) cache held (and read per step) per context token
-    state_bytes: np.ndarray  # (P, L) constant per-sequence state held (linear attention)
-    state_traffic_bytes: np.ndarray  # (P, L) state read + written per step
+    snapshot_bytes: np.ndarray  # (P, L) one fp32 linear-attention state (read or written per position)
+    conv_bytes_per_position: np.ndarray  # (P, L) one position of the short-convolution window
     attn_flops_per_ctx: np.ndarray  # (P, L) per position per context token
     attn_flops_const: np.ndarray  # (P, L) per position
     window_tokens: np.ndarray  # (L,) sliding window, inf where the cache grows without bound
+    conv_window: np.ndarray  # (L,) positions of a linear-attention layer's conv window (kernel − 1), else 0
     allreduces: np.ndarray  # (L,) all-reduces each layer ends with under TP (mixer + MLP)
     latent: np.ndarray  # (L,) latent-MoE layer: one latent all-gather + reduce-scatter
     global_read_numel_g: np.ndarray  # (P, G) embedding row, final norm, LM-head shard read per step
@@ -149,9 +150,9 @@ def _layer_row(model: ModelSpec, layer: LayerSpec, plan: ParallelPlan, kv_bytes:
             dense[gi] += n
             dense_mm += n if t.is_matmul else 0
     mixer = layer.mixer
-    figures = (mixer.cache_elems_per_token(model, plan.tp) * kv_bytes, mixer.state_bytes(model, plan.tp),
-               mixer.state_traffic_bytes(model, plan.tp), mixer.flops_per_ctx(model, plan.tp),
-               mixer.flops_const(model, plan.tp))
+    conv = conv_channels(model, plan.tp) * kv_bytes if mixer.is_linear else 0.0
+    figures = (mixer.cache_elems_per_token(model, plan.tp) * kv_bytes, mixer.snapshot_bytes(model, plan.tp), conv,
+               mixer.flops_per_ctx(model, plan.tp), mixer.flops_const(model, plan.tp))
     return (dense, expert, held, dense_mm, expert_mm, *figures)
 
 
@@ -192,7 +193,8 @@ def count_layouts(model: ModelSpec, plans: list[ParallelPlan], kv_bytes: float =
         return np.stack([make(entry) for entry in per_key])[which] if plans else np.zeros((0,))
 
     names = ("dense_numel_g", "expert_numel_g", "held_numel_g", "dense_matmul_numel", "expert_matmul_numel",
-             "cache_bytes_per_ctx", "state_bytes", "state_traffic_bytes", "attn_flops_per_ctx", "attn_flops_const")
+             "cache_bytes_per_ctx", "snapshot_bytes", "conv_bytes_per_position", "attn_flops_per_ctx",
+             "attn_flops_const")
     per_layer = {name: gather(lambda e, j=j: np.array([row[j] for row in e[0]], dtype=float))
                  for j, name in enumerate(names)}
     max_pp = max((p.pp for p in plans), default=1)
@@ -211,6 +213,8 @@ def count_layouts(model: ModelSpec, plans: list[ParallelPlan], kv_bytes: float =
         plans=tuple(plans), **per_layer,
         window_tokens=np.array([layer.window if layer.mixer.windowed and layer.window else np.inf
                                 for layer in model.layers], dtype=float),
+        conv_window=np.array([model.linear_attention.conv_kernel - 1 if layer.mixer.is_linear else 0
+                              for layer in model.layers]),
         allreduces=np.array([layer.mixer.allreduces + 1 for layer in model.layers]),  # + the MLP's
         latent=np.array([layer.mlp == "moe" and model.moe is not None and model.moe.latent_size is not None
                          for layer in model.layers]),
@@ -269,7 +273,9 @@ def stage_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1,
     speculative verify), the runtime's ring buffer, never more than the context."""
     c = table.counts
     held = cache_positions(float(context_tokens), c.window_tokens, step_tokens)
-    per_layer = c.cache_bytes_per_ctx * held + c.state_bytes
+    slots = state_slots(step_tokens)  # the mixer table's linear state: snapshots and conv window
+    state = c.snapshot_bytes * slots + c.conv_bytes_per_position * np.maximum(c.conv_window - 1 + slots, 0)
+    per_layer = c.cache_bytes_per_ctx * held + state
     return table.stage_weights_bytes, batch * _stage_sum(per_layer, c)
 
 
@@ -322,7 +328,7 @@ def step_figures(model: ModelSpec, table: LayoutTable, context_tokens: int, posi
         uses = 0.0
     n_exp = np.where(table.expert_bytes > 0, busiest[:, None], 0.0)
     ctx = np.minimum(float(context_tokens), c.window_tokens)
-    per_sequence = c.cache_bytes_per_ctx * ctx + c.state_traffic_bytes
+    per_sequence = c.cache_bytes_per_ctx * ctx + (1 + positions) * c.snapshot_bytes  # state read, one written per position
     nbytes = table.dense_bytes + n_exp * table.expert_bytes + batch * per_sequence
     flops = 2 * (tokens * c.dense_matmul_numel + n_exp * uses * c.expert_matmul_numel)
     flops = flops + tokens * (c.attn_flops_per_ctx * ctx + c.attn_flops_const)

@@ -224,7 +224,8 @@ def _build_qwen3_5_moe(cfg: Config) -> dict[str, Any]:
     ]
     gate = bool(cfg.get("attn_output_gate", True))
     layers = []
-    prefix = "model.language_model."
+    # the multimodal wrapper nests the text model (the real checkpoint); a text-only one does not
+    prefix = "model.language_model." if cfg.model_type == "qwen3_5_moe" else "model."
     for i in range(n_layers):
         p = f"{prefix}layers.{i}."
         if types[i] == "full_attention":

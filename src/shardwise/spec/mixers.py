@@ -9,8 +9,9 @@ what one decode position costs, all on one of ``tp`` tensor-parallel ranks:
 - ``windowed``: the cache holds at most the layer's sliding window of tokens (plus the positions
   one step writes: ``cache_positions``, the planner's and the runtime's one ring formula);
 - ``state_bytes``: constant per-sequence state held (linear attention: the fp32 delta-rule state
-  ``value_heads · d_k · d_v`` plus the short-convolution window, split by heads);
-- ``state_traffic_bytes``: state read and written per decode step;
+  ``value_heads · d_k · d_v`` plus the short-convolution window in the cache dtype, split by
+  heads; with ``step_tokens`` > 1 the ``state_slots`` snapshots a verify pass can roll back to);
+- ``snapshot_bytes``: one fp32 state (what a decode position reads or writes);
 - ``flops_per_ctx`` / ``flops_const``: attention FLOPs per position per context token, and the
   context-independent part (linear attention's state update and readout);
 - ``allreduces``: all-reduces the mixer itself ends with under TP (its row-parallel output).
@@ -32,7 +33,7 @@ from shardwise.spec.tensors import ATTENTION, LINEAR_ATTENTION, NORM, TensorSpec
 if TYPE_CHECKING:
     from shardwise.spec.model import ModelSpec
 
-STATE_BYTES = 4.0  # linear-attention state (and its conv window) kept in float32
+STATE_BYTES = 4.0  # the linear-attention delta-rule state is kept in float32
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,13 @@ class LinearAttentionSpec:
         """Short-convolution window of one sequence: (kernel − 1) positions of q, k and v channels."""
         channels = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
         return (self.conv_kernel - 1) * channels
+
+
+def state_slots(step_tokens: int = 1) -> int:
+    """fp32 states a linear-attention layer keeps per sequence: one for plain decoding; for verify
+    passes of ``step_tokens`` positions the state at every position a pass may be rolled back to
+    (``step_tokens + 1``), as the runtime's ``linear_state.LinearStateCache`` holds them."""
+    return 1 if step_tokens <= 1 else step_tokens + 1
 
 
 def cache_positions(context_tokens, window, step_tokens: int = 1):
@@ -156,13 +164,14 @@ def gated_deltanet_tensors(prefix: str, hidden: int, la: LinearAttentionSpec) ->
     gated RMSNorm per value head, out_proj row-parallel."""
     key_dim, value_dim = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
     vhd = la.value_head_dim
-    conv_channels = 2 * key_dim + value_dim
+    channels = 2 * key_dim + value_dim
+    parts = ((key_dim, la.key_head_dim), (key_dim, la.key_head_dim), (value_dim, vhd))  # q | k | v, each by heads
     return [
-        col(prefix + "in_proj_qkv.weight", conv_channels, hidden, LINEAR_ATTENTION),
+        TensorSpec(prefix + "in_proj_qkv.weight", (channels, hidden), LINEAR_ATTENTION, tp_dim=0, tp_parts=parts),
         col(prefix + "in_proj_z.weight", value_dim, hidden, LINEAR_ATTENTION, vhd),
         col(prefix + "in_proj_b.weight", la.num_value_heads, hidden, LINEAR_ATTENTION),
         col(prefix + "in_proj_a.weight", la.num_value_heads, hidden, LINEAR_ATTENTION),
-        TensorSpec(prefix + "conv1d.weight", (conv_channels, 1, la.conv_kernel), LINEAR_ATTENTION, tp_dim=0),
+        TensorSpec(prefix + "conv1d.weight", (channels, 1, la.conv_kernel), LINEAR_ATTENTION, tp_dim=0, tp_parts=parts),
         TensorSpec(prefix + "dt_bias", (la.num_value_heads,), LINEAR_ATTENTION, tp_dim=0),
         TensorSpec(prefix + "A_log", (la.num_value_heads,), LINEAR_ATTENTION, tp_dim=0),
         norm(prefix + "norm.weight", vhd),
@@ -221,17 +230,25 @@ def _latent_flops(m: ModelSpec, tp: int) -> float:
     return 2 * m.num_heads / tp * (2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim)  # absorbed form
 
 
-def _zero(m: ModelSpec, tp: int) -> float:
+def _zero(m: ModelSpec, tp: int, *args) -> float:
     return 0.0
 
 
-def _state_held(m: ModelSpec, tp: int) -> float:
+def _snapshot(m: ModelSpec, tp: int) -> float:
+    return m.linear_attention.state_elems * STATE_BYTES / tp
+
+
+def conv_channels(m: ModelSpec, tp: int) -> int:
+    """Short-convolution channels on one of ``tp`` ranks: q and k of the key heads (replicated
+    when fewer than ranks), v of the value heads."""
     la = m.linear_attention
-    return (la.state_elems + la.conv_elems) * STATE_BYTES / tp
+    return 2 * max(la.num_key_heads // tp, 1) * la.key_head_dim + la.num_value_heads // tp * la.value_head_dim
 
 
-def _state_traffic(m: ModelSpec, tp: int) -> float:
-    return 2 * m.linear_attention.state_elems * STATE_BYTES / tp  # the state read, then written
+def _state_held(m: ModelSpec, tp: int, kv_bytes: float = STATE_BYTES, step_tokens: int = 1) -> float:
+    slots = state_slots(step_tokens)
+    conv_positions = m.linear_attention.conv_kernel - 2 + slots
+    return slots * _snapshot(m, tp) + conv_positions * conv_channels(m, tp) * kv_bytes
 
 
 def _state_flops(m: ModelSpec, tp: int) -> float:
@@ -247,8 +264,8 @@ class Mixer:
     build: Callable[..., list[TensorSpec]]
     cache_elems_per_token: Callable[[ModelSpec, int], float] = _zero
     windowed: bool = False
-    state_bytes: Callable[[ModelSpec, int], float] = _zero
-    state_traffic_bytes: Callable[[ModelSpec, int], float] = _zero
+    state_bytes: Callable[..., float] = _zero  # (model, tp, kv_bytes, step_tokens)
+    snapshot_bytes: Callable[[ModelSpec, int], float] = _zero
     flops_per_ctx: Callable[[ModelSpec, int], float] = _zero
     flops_const: Callable[[ModelSpec, int], float] = _zero
     allreduces: int = 1
@@ -261,7 +278,7 @@ class Mixer:
 
 _KV = dict(cache_elems_per_token=_kv_cache, flops_per_ctx=_kv_flops)
 _LATENT = dict(cache_elems_per_token=_latent_cache, flops_per_ctx=_latent_flops)
-_STATE = dict(state_bytes=_state_held, state_traffic_bytes=_state_traffic, flops_const=_state_flops)
+_STATE = dict(state_bytes=_state_held, snapshot_bytes=_snapshot, flops_const=_state_flops)
 
 MIXERS: dict[str, Mixer] = {
     "gqa": Mixer("gqa", "full causal attention (MHA/GQA/MQA)", gqa_tensors, **_KV),

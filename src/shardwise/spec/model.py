@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from shardwise.spec.mixers import MIXERS, LinearAttentionSpec, MLASpec, Mixer
+from shardwise.spec.mixers import MIXERS, STATE_BYTES, LinearAttentionSpec, MLASpec, Mixer
 from shardwise.spec.tensors import (  # noqa: F401  (the tensor vocabulary, re-exported)
     ATTENTION,
     DENSE_MLP,
@@ -227,9 +227,10 @@ class ModelSpec:
             layer.mixer.cache_elems_per_token(self, 1) for layer in self.layers if not layer.mixer.windowed
         )
 
-    def linear_state_bytes(self) -> float:
-        """Constant recurrent state of all linear-attention layers (bytes; see ``mixers.STATE_BYTES``)."""
-        return sum(layer.mixer.state_bytes(self, 1) for layer in self.layers)
+    def linear_state_bytes(self, kv_bytes: float = STATE_BYTES) -> float:
+        """Constant recurrent state of all linear-attention layers (bytes): fp32 states plus the
+        conv windows at ``kv_bytes`` per element (the cache dtype; fp32 by default)."""
+        return sum(layer.mixer.state_bytes(self, 1, kv_bytes) for layer in self.layers)
 
     def cache_bytes(self, context_tokens: int, kv_bytes: float = 2.0) -> float:
         """Whole cache for one sequence of ``context_tokens`` (bytes): full layers grow with
@@ -238,7 +239,7 @@ class ModelSpec:
         for layer in self.layers:
             mixer = layer.mixer
             ctx = min(context_tokens, layer.window or 0) if mixer.windowed else context_tokens
-            total += mixer.cache_elems_per_token(self, 1) * kv_bytes * ctx + mixer.state_bytes(self, 1)
+            total += mixer.cache_elems_per_token(self, 1) * kv_bytes * ctx + mixer.state_bytes(self, 1, kv_bytes)
         return total
 
     # ---- compute -------------------------------------------------------------------------

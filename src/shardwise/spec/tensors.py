@@ -59,6 +59,8 @@ class TensorSpec:
         last rank's slice padded with rows no id maps to.
     experts: number of copies of a per-expert template (1 for ordinary tensors).
     expert_dim: dimension that indexes experts in a fused expert tensor (gpt-oss), else None.
+    tp_parts: for a fused tensor, its consecutive parts along ``tp_dim`` as (length, unit) pairs
+        (Gated DeltaNet's q|k|v): each part is split on its own (``plan.shard_spans``).
     """
 
     name: str
@@ -69,6 +71,7 @@ class TensorSpec:
     experts: int = 1
     expert_dim: int | None = None
     tp_pad: bool = False
+    tp_parts: tuple[tuple[int, int], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -104,6 +107,8 @@ class TensorSpec:
         ``tp_pad`` tensors hold ceil(units / tp) units)."""
         if self.tp_dim is None or tp == 1:
             return self.shape[self.tp_dim] if self.tp_dim is not None else 0
+        if self.tp_parts:
+            return sum(max(length // unit // tp, 1) * unit for length, unit in self.tp_parts)
         units = self.shape[self.tp_dim] // self.tp_unit
         if self.tp_pad:
             return -(-units // tp) * self.tp_unit
