@@ -15,7 +15,7 @@ process group to allocate a rank's parameters) and its allocated bytes are compa
 - cache: ``model.cache_bytes()`` (KV / latent buffers of one sequence of ``max_seq_len``
   tokens; sliding layers hold their ring) against ``rank_cache_bytes``.
 
-Cases where the planner is known to count differently are ``xfail(strict=True)`` with the
+Cases where the planner were known to count differently would be ``xfail(strict=True)`` with the
 reason; they turn into failures (XPASS) once the planner counts like the runtime.
 """
 
@@ -35,7 +35,8 @@ from shardwise.runtime.model import ShardedCausalLM, param_dtype
 from shardwise.spec.model import NORM, ROUTED_EXPERTS, ROUTER, TENSOR_GROUPS
 from shardwise.spec.tensors import unpacked_key
 
-FAMILIES = {"llama": "llama-3.1-8b", "qwen3_moe": "qwen3-30b-a3b", "deepseek_v3": "deepseek-v3", "gpt_oss": "gpt-oss-20b"}
+FAMILIES = {"llama": "llama-3.1-8b", "qwen3_moe": "qwen3-30b-a3b", "deepseek_v3": "deepseek-v3", "gpt_oss": "gpt-oss-20b",
+            "qwen3_5_moe": "qwen3.5-397b-a17b"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BITS = {torch.float32: 32, torch.bfloat16: 16}
 RUNTIME_FP32_GROUPS = {"deepseek_v3": {ROUTER}, "gpt_oss": {NORM}}
@@ -100,7 +101,7 @@ def _cases(specs_keys):
 
 
 WEIGHT_CASES = list(_cases(["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama_v509", "gpt_oss_mxfp4",
-                            "qwen3_moe_mxfp4"]))
+                            "qwen3_moe_mxfp4", "qwen3_5_moe"]))
 
 
 def test_fp32_groups_are_the_runtime_rule(specs):
@@ -136,6 +137,8 @@ def _cache_cases():
                     yield pytest.param(family, tp, ep, dname, ctx, 1, id=f"{family}-tp{tp}-ep{ep}-{dname}-ctx{ctx}")
     for ctx in CONTEXTS:  # speculative decoding with 4 drafts: verify passes of 5 positions
         yield pytest.param("gpt_oss", 2, 2, "bfloat16", ctx, 5, id=f"gpt_oss-spec5-ctx{ctx}")
+    for dname in DTYPES:  # a linear layer keeps k+2 states and kernel-1+k+1 conv positions for rollback
+        yield pytest.param("qwen3_5_moe", 2, 2, dname, 40, 5, id=f"qwen3_5_moe-spec5-{dname}-ctx40")
 
 
 @pytest.mark.parametrize("family, tp, ep, dname, context, step", list(_cache_cases()))

@@ -261,11 +261,11 @@ def register(app: typer.Typer) -> None:
     def make_checkpoint_command(
         model: Annotated[str, typer.Option("--model", help="catalog model key, e.g. deepseek-v3")],
         out: Annotated[Path, typer.Option("--out", help="output folder")],
-        scale: Annotated[str, typer.Option("--scale", help="size: tiny")] = "tiny",
+        scale: Annotated[str, typer.Option("--scale", help="size: tiny, or small (qwen3_5_moe, kimi_linear)")] = "tiny",
         seed: Annotated[int, typer.Option("--seed", help="random seed of the weights")] = 0,
     ) -> None:
         """Write a small random checkpoint of a catalog model in the Hugging Face layout."""
         from shardwise.runtime.checkpoint import make_checkpoint
 
         folder = make_checkpoint(model, scale, out, seed)
-        print(f"wrote {folder} (config.json, model.safetensors, tokenizer.json)")
+        print(f"wrote {folder} (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template)")

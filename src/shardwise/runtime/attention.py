@@ -8,6 +8,7 @@
 - ``MLAttention``: DeepSeek-V3 multi-head latent attention. q_a and kv_a are replicated,
   q_b and kv_b column-parallel by heads, o_proj row-parallel; the cache holds the latent
   (kv_lora_rank normalised + qk_rope_head_dim rotated) per token, replicated on every rank.
+  ``rope=False`` is Kimi Linear's NoPE MLA (``mla_use_nope``): the same tensors, no rotation.
 
 Both return this rank's partial o_proj output; the decoder layer all-reduces it.
 """
@@ -28,6 +29,7 @@ from shardwise.runtime.layers import (
     apply_rotary_interleaved,
     shard_param,
 )
+from shardwise.spec.mixers import cache_positions
 from shardwise.spec.model import TensorSpec
 
 
@@ -39,8 +41,9 @@ def sliding_cache_len(max_seq_len: int, window: int, max_step_tokens: int = 1) -
     that a later call may roll back (at most ``max_step_tokens - 1`` past the restart point:
     the rejected drafts of a verify pass, or the drafts a draft model wrote one by one) must
     not overwrite those, so the ring holds ``window - 1 + max_step_tokens - 1`` positions at
-    least; one more keeps it at exactly ``window`` for plain decoding."""
-    return min(max_seq_len, window + max_step_tokens - 1)
+    least; one more keeps it at exactly ``window`` for plain decoding. The formula is the mixer
+    table's (``spec.mixers.cache_positions``), which the planner counts too."""
+    return int(cache_positions(max_seq_len, window, max_step_tokens))
 
 
 def attention_mask(
@@ -224,6 +227,7 @@ class MLAttention(nn.Module):
         eps: float,
         max_seq_len: int,
         max_batch: int = 1,
+        rope: bool = True,
     ):
         super().__init__()
         t = tensors
@@ -242,6 +246,7 @@ class MLAttention(nn.Module):
         self.heads = self.kv_b_proj.weight.shape[0] // (qk_nope_head_dim + v_head_dim)
         self.scaling = scaling
         self.rotate = apply_rotary_interleaved if interleaved_rope else apply_rotary
+        self.rope = rope
         shape = (max_batch, max_seq_len, kv_lora_rank + qk_rope_head_dim)
         self.register_buffer("latent_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
@@ -255,9 +260,10 @@ class MLAttention(nn.Module):
         q_pass, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         kv_nope, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_nope = self.kv_a_layernorm(kv_nope)
-        cos, sin = rope
-        q_rot = self.rotate(q_rot, cos, sin)
-        k_rot = self.rotate(k_rot.unsqueeze(1), cos, sin).squeeze(1)
+        if self.rope:
+            cos, sin = rope
+            q_rot = self.rotate(q_rot, cos, sin)
+            k_rot = self.rotate(k_rot.unsqueeze(1), cos, sin).squeeze(1)
         start, end = int(positions[0]), int(positions[-1]) + 1
         self.latent_cache[:b, start:end] = torch.cat([kv_nope, k_rot], dim=-1)
         latent = self.latent_cache[:b, :end]

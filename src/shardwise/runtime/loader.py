@@ -14,6 +14,9 @@ On-disk layouts handled for routed experts:
   with gate/up columns interleaved, ``down_proj [E, I, H]``; they are transposed on load to
   the ModelSpec's (out, in) layout.
 
+Names and shapes that differ on disk from the ModelSpec's (Kimi Linear's ``block_sparse_moe.``
+MoE block and [1, 1, H, 1] ``A_log``) are resolved by ``runtime.stored_names``.
+
 MXFP4 checkpoints (gpt-oss ``*_blocks`` / ``*_scales``, compressed-tensors
 ``weight_packed`` / ``weight_scale``; see ``runtime.packed_weights``): a packed parameter
 (``param.packed``) gets this rank's slice of the stored uint8 tensor — its experts, and
@@ -41,6 +44,7 @@ from shardwise.plan import ParallelPlan, local_experts, shard_slice
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE
 from shardwise.runtime.mxfp4_matmul import decode
 from shardwise.runtime.packed_weights import BLOCKS, SCALES, Quantization, quantization
+from shardwise.runtime.stored_names import stored_name, stored_shape
 from shardwise.spec.model import ModelSpec, TensorSpec
 from shardwise.spec.parse import load_model
 
@@ -136,7 +140,8 @@ class Source:
     name/shape: the stored tensor and its full stored shape; ``expert``: leading index to
     select (fused expert tensors); ``row_offset``: where this tensor's rows start along
     the split dimension (up_proj inside a fused gate_up); ``transposed``: stored as
-    (…, in, out) and swapped on load (gpt-oss).
+    (…, in, out) and swapped on load (gpt-oss); ``reshaped``: stored with other (unit)
+    dimensions than the ModelSpec's and viewed in its shape on load (Kimi's A_log).
     """
 
     name: str
@@ -144,6 +149,7 @@ class Source:
     expert: int | None = None
     row_offset: int = 0
     transposed: bool = False
+    reshaped: bool = False
 
 
 def _fused_name(template: str) -> tuple[str, str] | None:
@@ -168,9 +174,11 @@ def sources(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint | None, expert
         if spec.family == "gpt_oss" and tensor.expert_dim is not None and tensor.name.endswith(("gate_up_proj", "down_proj")):
             e, out, inp = tensor.shape
             return Source(tensor.name, (e, inp, out), transposed=True)
-        return Source(tensor.name, tensor.shape)
+        name = stored_name(spec.family, tensor, tensor.name, None if ckpt is None else ckpt.__contains__)
+        shape = stored_shape(spec.family, tensor, ckpt.shape(name) if ckpt is not None and name in ckpt else None)
+        return Source(name, shape, reshaped=shape != tensor.shape)
     e = 0 if expert is None else expert
-    name = tensor.name.format(e=e)
+    name = stored_name(spec.family, tensor, tensor.name.format(e=e), None if ckpt is None else ckpt.__contains__)
     fused = _fused_name(tensor.name)
     if ckpt is None or name in ckpt or fused is None or fused[0] not in ckpt:
         return Source(name, tensor.shape)
@@ -280,6 +288,9 @@ def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: Tensor
         return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)[..., inner].contiguous()
     src = sources(spec, tensor, ckpt, expert)
     cut = shard_slice(tensor, plan, tp_rank)
+    if src.reshaped:  # read whole (a few values), viewed in the ModelSpec's shape, then cut
+        whole = ckpt.read(src.name, tuple(slice(None) for _ in src.shape)).reshape(tensor.shape)
+        return whole if cut is None else whole[(slice(None),) * tensor.tp_dim + (slice(*cut),)]
     if src.transposed:  # gpt-oss fused experts stored [E, in, out]
         experts = local_experts(tensor.num_experts, plan, tp_rank)
         index = [slice(experts.start, experts.stop), slice(None), slice(None)]
@@ -308,6 +319,15 @@ def read_vocab_rows(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint, rows:
     return ckpt.read(src.name, (slice(*rows),))
 
 
+def read_spans(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Ranges ``spans`` of ``tensor`` along its ``tp_dim``, concatenated: a rank's share of a fused
+    tensor whose parts are each split on their own (Gated DeltaNet's q|k|v ``in_proj_qkv`` and
+    ``conv1d``: ``plan.shard_spans``)."""
+    src = sources(spec, tensor, ckpt)
+    lead = (slice(None),) * tensor.tp_dim
+    return torch.cat([ckpt.read(src.name, lead + (slice(a, b),)) for a, b in spans], dim=tensor.tp_dim)
+
+
 def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -> None:
     """Fill every parameter of a ``ShardedCausalLM`` with its slice from checkpoint ``folder``."""
     spec, plan, tp_rank = model.spec, model.plan, model.shard.tp_rank
@@ -319,8 +339,11 @@ def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -
             for _, param in model.named_parameters():
                 part = getattr(param, "packed", None)
                 rows = getattr(param, "rows", None)  # a vocab-parallel slice, maybe zero-padded
+                spans = getattr(param, "spans", None)  # rows from several parts of a fused tensor
                 if part is not None:
                     data = read_packed(plan, tp_rank, param.spec, ckpt, quant, part, param.expert)
+                elif spans is not None:
+                    data = read_spans(spec, param.spec, ckpt, spans)
                 elif rows is not None:
                     data = read_vocab_rows(spec, param.spec, ckpt, rows)
                 else:

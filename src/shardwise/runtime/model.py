@@ -3,7 +3,10 @@
 Module and parameter names follow the Hugging Face checkpoints (``model.layers.3.self_attn
 .q_proj.weight``, ``model.layers.3.mlp.experts.17.down_proj.weight``), so the model file reads
 like transformers' and the loader fills parameters by name. Families: ``llama``,
-``qwen3_moe``, ``deepseek_v3`` (and Kimi K2, the same architecture) and ``gpt_oss``.
+``qwen3_moe``, ``deepseek_v3`` (and Kimi K2, the same architecture), ``gpt_oss`` and
+``kimi_linear`` (KDA linear-attention layers, ``runtime.kda``, + NoPE MLA layers + DeepSeek-style
+MoE; Kimi K3's extensions are refused by ``check_runnable``) and ``qwen3_5_moe`` (Gated DeltaNet +
+gated attention layers, gated shared expert: ``runtime.qwen3_5``, ``runtime.deltanet``).
 
 Per layer and token: one all-reduce after attention and one after the MLP / MoE block
 (routed + shared experts + expert biases in the same one), both through
@@ -21,6 +24,7 @@ from torch import nn
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, validate_plan
 from shardwise.runtime.attention import GQAttention, MLAttention
+from shardwise.runtime.kda import KimiDeltaAttention
 from shardwise.runtime.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -32,9 +36,36 @@ from shardwise.runtime.layers import (
 )
 from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE
 from shardwise.runtime.packed_weights import quantization
-from shardwise.spec.model import EMBEDDING, LM_HEAD, NORM, ROUTER, LayerSpec, ModelSpec, TensorSpec
+from shardwise.runtime.qwen3_5 import OffsetRMSNorm, build_layer, rotary_dim
+from shardwise.spec.model import EMBEDDING, LM_HEAD, NORM, LayerSpec, ModelSpec, TensorSpec
 
-RUNTIME_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
+RUNTIME_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_linear", "qwen3_5_moe")
+
+KIMI_K3_KEYS = (
+    "activation_situ_beta", "activation_situ_linear_beta", "attn_res_block_size", "latent_moe_use_norm",
+    "routed_expert_hidden_size", "mla_use_output_gate",
+)
+"""Kimi K3 config keys transformers' kimi_linear does not define (their math has no public definition
+the runtime could be checked against); with ``hidden_act`` "situ" and ``linear_attn_config``'s
+``use_full_rank_gate`` / ``gate_lower_bound`` they make ``check_runnable`` refuse the model."""
+
+
+def kimi_unsupported(cfg) -> list[str]:
+    """The settings of a kimi_linear config the runtime cannot run (empty: it runs it)."""
+    out = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        out.append(f"hidden_act '{cfg.get('hidden_act')}'")
+    for key in KIMI_K3_KEYS:
+        value = cfg.get(key)
+        if value is not None and value is not False and not (key == "routed_expert_hidden_size" and value == cfg.get("hidden_size")):
+            out.append(key)
+    lac = cfg.get("linear_attn_config") or {}
+    out += [f"linear_attn_config.{k}" for k in ("use_full_rank_gate", "gate_lower_bound") if lac.get(k) not in (None, False)]
+    if cfg.get("mla_use_nope", True) is False:
+        out.append("mla_use_nope false")
+    if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        out.append(f"moe_router_activation_func '{cfg.get('moe_router_activation_func')}'")
+    return out
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -54,13 +85,10 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def param_dtype(spec: ModelSpec, tensor: TensorSpec, dtype: torch.dtype) -> torch.dtype:
-    """Storage dtype of one parameter: the run dtype, except where transformers keeps float32
-    (DeepSeek-V3's router and correction bias; gpt-oss's RMSNorm weights)."""
-    if spec.family == "deepseek_v3" and tensor.group == ROUTER:
-        return torch.float32
-    if spec.family == "gpt_oss" and tensor.group == NORM:
-        return torch.float32
-    return dtype
+    """Storage dtype of one parameter: the run dtype, except the groups transformers keeps in
+    float32 (``ModelSpec.float32_groups``: DeepSeek-V3's router and correction bias, gpt-oss's
+    RMSNorm weights; the planner's ``ModelSpec.run_formats`` reads the same field)."""
+    return torch.float32 if tensor.group in spec.float32_groups else dtype
 
 
 def check_runnable(spec: ModelSpec, plan: ParallelPlan) -> None:
@@ -69,14 +97,21 @@ def check_runnable(spec: ModelSpec, plan: ParallelPlan) -> None:
     if spec.family not in RUNTIME_FAMILIES:
         raise ShardwiseError(
             f"model_type '{spec.model_type}' can be planned but not run: the runtime runs "
-            "llama, qwen3_moe, deepseek_v3 / kimi_k2 and gpt_oss"
+            "llama, qwen3_moe, deepseek_v3 / kimi_k2, gpt_oss, kimi_linear and qwen3_5_moe"
         )
     if plan.pp != 1:
         raise ShardwiseError(f"--pp {plan.pp}: the runtime does not run pipeline stages yet, use --pp 1")
     quantization(spec)  # a one-line error for quantization layouts the runtime cannot read
     cfg = spec.config
+    if spec.family == "kimi_linear" and kimi_unsupported(cfg):
+        raise ShardwiseError(
+            f"{spec.name} cannot be run: config.json sets {', '.join(kimi_unsupported(cfg))}, which transformers' "
+            "kimi_linear does not define and the runtime does not implement (Kimi K3's extensions); it can be planned"
+        )
     if spec.family != "gpt_oss" and cfg.get("hidden_act", "silu") != "silu":
         raise ShardwiseError(f"config.json hidden_act '{cfg.get('hidden_act')}' is not supported: the runtime runs silu")
+    if spec.family == "qwen3_5_moe" and cfg.get("attention_bias", False):
+        raise ShardwiseError("config.json attention_bias true is not supported for qwen3_5_moe: use false")
     if spec.family == "deepseek_v3" and cfg.get("attention_bias", False):
         raise ShardwiseError("config.json attention_bias true is not supported for deepseek_v3: use false")
     if spec.family == "qwen3_moe" and cfg.get("use_sliding_window", False):
@@ -106,6 +141,10 @@ class DecoderLayer(nn.Module):
         max_step_tokens: int = 1,
     ):
         super().__init__()
+        if spec.family == "qwen3_5_moe":  # Gated DeltaNet / gated attention + gated shared expert: runtime.qwen3_5
+            build_layer(self, spec, layer, shard, dtype, max_seq_len=max_seq_len, max_batch=max_batch,
+                        max_step_tokens=max_step_tokens)
+            return
         t = _local(layer.tensors, f"model.layers.{layer.index}.")
         dt = _Dtyped(spec, dtype)
         eps, gpt_oss = spec.rms_norm_eps, spec.family == "gpt_oss"
@@ -115,7 +154,14 @@ class DecoderLayer(nn.Module):
         )
         attn = _local(layer.tensors, f"model.layers.{layer.index}.self_attn.")
         cfg = spec.config
-        if layer.attention == "mla":
+        if layer.attention == "kda":
+            la = spec.linear_attention
+            assert la is not None
+            self.self_attn = KimiDeltaAttention(
+                attn, shard, dtype, head_dim=la.key_head_dim, kernel=la.conv_kernel, eps=eps, max_batch=max_batch,
+                max_step_tokens=max_step_tokens,
+            )
+        elif layer.attention == "mla":
             mla = spec.mla
             assert mla is not None
             scaling = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
@@ -128,7 +174,7 @@ class DecoderLayer(nn.Module):
                 attn, shard, dtype, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
                 qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim, scaling=scaling,
                 interleaved_rope=bool(cfg.get("rope_interleave", True)), eps=1e-6,
-                max_seq_len=max_seq_len, max_batch=max_batch,
+                max_seq_len=max_seq_len, max_batch=max_batch, rope=spec.family != "kimi_linear",  # Kimi: NoPE
             )
         else:
             self.self_attn = GQAttention(
@@ -136,7 +182,9 @@ class DecoderLayer(nn.Module):
                 max_batch=max_batch, window=layer.window if layer.attention == "sliding" else None,
                 max_step_tokens=max_step_tokens,
             )
-        mlp = _local(layer.tensors, f"model.layers.{layer.index}.mlp.")
+        mlp = _local(layer.tensors, f"model.layers.{layer.index}.mlp.") or _local(
+            layer.tensors, f"model.layers.{layer.index}.block_sparse_moe."  # Kimi Linear's checkpoint name
+        )
         if layer.mlp == "dense":
             self.mlp = DenseMLP(mlp, shard, dtype)
         elif gpt_oss:
@@ -200,9 +248,11 @@ class ShardedCausalLM(nn.Module):
         self.model.layers = nn.ModuleList(
             DecoderLayer(spec, layer, shard, dtype, max_seq_len, max_batch, max_step_tokens) for layer in spec.layers
         )
-        self.model.norm = RMSNorm(norm, shard, dt.of(norm), spec.rms_norm_eps, spec.family == "gpt_oss")
+        self.model.norm = (OffsetRMSNorm if spec.family == "qwen3_5_moe" else RMSNorm)(
+            norm, shard, dt.of(norm), spec.rms_norm_eps, spec.family == "gpt_oss"
+        )
         self.lm_head = VocabParallelLMHead(glob.get(LM_HEAD), shard, dtype, tied=self.model.embed_tokens)
-        rope_dim = spec.mla.qk_rope_head_dim if spec.mla is not None else spec.head_dim
+        rope_dim = spec.mla.qk_rope_head_dim if spec.mla is not None else rotary_dim(spec)  # partial rotary
         self.rotary = RotaryEmbedding(rope_parameters(spec.config), rope_dim, max_seq_len, spec.max_position_embeddings)
 
     def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -224,9 +274,15 @@ class ShardedCausalLM(nn.Module):
 
     def check_step_tokens(self, n: int) -> None:
         """Raise a one-line ShardwiseError unless passes of ``n`` positions may be rolled back
-        (speculative verify): the sliding-window rings were sized for ``max_step_tokens``."""
+        (speculative verify): the sliding-window rings and the linear-attention state snapshots
+        (``linear_state.LinearStateCache``) were sized for ``max_step_tokens``."""
         if n <= self.max_step_tokens:
             return
+        if any(getattr(layer.self_attn, "recurrent", False) for layer in self.model.layers):
+            raise ShardwiseError(
+                f"passes of {n} positions need the model built with max_step_tokens >= {n} (it has "
+                f"{self.max_step_tokens}): its linear-attention layers keep the states of that many positions"
+            )
         rings = [
             layer.self_attn.cache_len for layer in self.model.layers
             if getattr(layer.self_attn, "window", None) is not None and layer.self_attn.cache_len < self.max_seq_len
@@ -242,5 +298,6 @@ class ShardedCausalLM(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def cache_bytes(self) -> int:
-        """Bytes of this rank's static KV / latent cache (sliding layers: their rings)."""
+        """Bytes of this rank's static KV / latent cache (sliding layers: their rings; linear-attention
+        layers: their recurrent and conv states)."""
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if "cache" in name)

@@ -68,17 +68,24 @@ class ExpertLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+"""(gate, up, down) projection names of a routed expert: transformers' / Kimi Linear's (Mixtral's)."""
+
+
 class Expert(nn.Module):
-    """One routed SwiGLU expert (this rank's slice of it when experts are tensor-split)."""
+    """One routed SwiGLU expert (this rank's slice of it when experts are tensor-split), its
+    projections named as in the checkpoint (``EXPERT_NAMES``)."""
 
     def __init__(self, tensors: dict[str, TensorSpec], e: int, shard: Shard, dtype: torch.dtype,
                  quant: Quantization = NONE):
         super().__init__()
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        self.parts = next(names for names in EXPERT_NAMES if f"{names[0]}.weight" in tensors)
+        for name in self.parts:
             setattr(self, name, ExpertLinear(tensors[f"{name}.weight"], e, shard, dtype, quant))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, down = (getattr(self, name) for name in self.parts)
+        return down(F.silu(gate(x)) * up(x))
 
 
 class Router(nn.Module):

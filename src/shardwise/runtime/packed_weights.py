@@ -43,6 +43,7 @@ from shardwise.quant.layouts import (
     gpt_oss_tensor_names,
 )
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE
+from shardwise.runtime.stored_names import stored_name
 from shardwise.spec.model import MATMUL_GROUPS, ModelSpec, TensorSpec
 
 BLOCKS, SCALES = "blocks", "scales"
@@ -60,10 +61,12 @@ def _matches(rule: str, module: str) -> bool:
 
 @dataclass(frozen=True)
 class Quantization:
-    """How a checkpoint stores its MXFP4 weights (``layout`` is one of ``quant.layouts.LAYOUTS``)."""
+    """How a checkpoint stores its MXFP4 weights (``layout`` is one of ``quant.layouts.LAYOUTS``;
+    ``family``: the model family, for checkpoint names that differ from the ModelSpec's)."""
 
     layout: str
     config: Mapping[str, Any] = field(default_factory=dict)
+    family: str = ""
 
     @property
     def quantized(self) -> bool:
@@ -81,7 +84,8 @@ class Quantization:
         if self.layout == LAYOUT_COMPRESSED_TENSORS:
             if tensor.group not in MATMUL_GROUPS or len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
                 return False
-            module = tensor.name.format(e=0 if expert is None else expert).removesuffix(".weight")
+            name = tensor.name.format(e=0 if expert is None else expert)
+            module = stored_name(self.family, tensor, name).removesuffix(".weight")
             groups = (self.config.get("config_groups") or {}).values()
             targeted = any(t == "Linear" or _matches(t, module) for g in groups for t in g.get("targets", ()))
             return targeted and not any(_matches(rule, module) for rule in self.config.get("ignore") or ())
@@ -92,7 +96,7 @@ class Quantization:
         if self.layout == LAYOUT_GPT_OSS:
             return gpt_oss_tensor_names(tensor.name)
         name = tensor.name.format(e=0 if expert is None else expert) if "{e}" in tensor.name else tensor.name
-        return compressed_tensors_names(name.removesuffix(".weight"))
+        return compressed_tensors_names(stored_name(self.family, tensor, name).removesuffix(".weight"))
 
     def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Stored (blocks, scales) shapes of a weight of logical shape [..., out, in]."""
@@ -129,7 +133,7 @@ def quantization(spec: ModelSpec) -> Quantization:
             "quantization_config of a gpt_oss checkpoint is compressed-tensors: gpt_oss experts are fused tensors, "
             "expected quant_method 'mxfp4' with *_blocks / *_scales (the gpt-oss layout)"
         )
-    return Quantization(layout, dict(qc))
+    return Quantization(layout, dict(qc), spec.family)
 
 
 def packed_param(tensor: TensorSpec, local_shape: tuple[int, ...], part: str, quant: Quantization,

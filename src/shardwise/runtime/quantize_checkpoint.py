@@ -44,6 +44,7 @@ from shardwise.quant import mxfp4_codec as codec
 from shardwise.quant.layouts import CT_MXFP4_FORMAT, LAYOUT_COMPRESSED_TENSORS, LAYOUT_GPT_OSS
 from shardwise.runtime.loader import INDEX_FILE, Checkpoint, check_checkpoint, load_spec, read_shard, sources
 from shardwise.runtime.packed_weights import Quantization, quantization
+from shardwise.runtime.stored_names import stored_name
 from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec, TensorSpec
 
 FORMATS = ("mxfp4",)
@@ -142,9 +143,10 @@ def _names(tensor: TensorSpec) -> list[int | None]:
     return list(range(tensor.experts)) if "{e}" in tensor.name else [None]
 
 
-def _module(tensor: TensorSpec, expert: int | None) -> str:
+def _module(tensor: TensorSpec, expert: int | None, family: str = "") -> str:
+    """The checkpoint's module name of ``tensor`` (expert ``expert``): what ``ignore`` rules match."""
     name = tensor.name.format(e=expert) if expert is not None else tensor.name
-    return name.removesuffix(".weight")
+    return stored_name(family, tensor, name).removesuffix(".weight")
 
 
 def _generic(module: str) -> str:
@@ -165,11 +167,13 @@ def _compressed_tensors_config(spec: ModelSpec, experts_only: bool) -> dict[str,
             continue
         wanted = t.shape[1] % codec.BLOCK_SIZE == 0 and (t.group == ROUTED_EXPERTS or not experts_only)
         for e in _names(t):
-            quantize[_module(t, e)] = wanted
+            quantize[_module(t, e, spec.family)] = wanted
     by_key: dict[str, list[str]] = {}
     for module in quantize:
         by_key.setdefault(_generic(module), []).append(module)
     ignore = ["lm_head", r"re:.*mlp\.gate$"]
+    if spec.family == "kimi_linear":  # its router, under the checkpoint's MoE prefix
+        ignore.append(r"re:.*block_sparse_moe\.gate$")
     for key, modules in by_key.items():
         if not any(quantize[m] for m in modules):
             ignore.append(_rule(key))
@@ -225,6 +229,8 @@ def _stored(spec: ModelSpec, tensor: TensorSpec, expert: int | None, data: torch
     src = sources(spec, tensor, None, expert)
     if src.transposed:
         data = data.transpose(1, 2)
+    elif src.reshaped:
+        data = data.reshape(src.shape)
     return src.name, data.contiguous()
 
 
@@ -261,7 +267,7 @@ def quantize_checkpoint(
         raise ShardwiseError(f"--experts-only needs routed experts but {spec.name} is dense: drop --experts-only")
     qc = quantization_config(spec, experts_only)
     config = {**_src_config(src), "quantization_config": qc}
-    quant = Quantization(LAYOUT_GPT_OSS if spec.family == "gpt_oss" else LAYOUT_COMPRESSED_TENSORS, qc)
+    quant = Quantization(LAYOUT_GPT_OSS if spec.family == "gpt_oss" else LAYOUT_COMPRESSED_TENSORS, qc, spec.family)
     result = QuantizeResult(out, quant.layout, scale_rounding, qc)
     plan = ParallelPlan()
     tensors: dict[str, torch.Tensor] = {}

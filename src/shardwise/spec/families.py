@@ -291,7 +291,7 @@ def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
             tensors = kda_tensors(a, hidden, la, full_rank_gate)
             kind = "kda"
         moe = i >= first_dense
-        m = p + "mlp."
+        m = p + ("block_sparse_moe." if moe else "mlp.")  # the checkpoint's names (Moonshot, save_pretrained)
         if moe:
             tensors += [
                 rep(m + "gate.weight", (n_exp, hidden), ROUTER),
@@ -322,7 +322,7 @@ def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
         latent_size=latent if latent != hidden else None,
     )
     return dict(
-        family="kimi_linear", num_layers=n_layers, num_heads=heads, num_kv_heads=heads,
+        family="kimi_linear", float32_groups=(ROUTER,), num_layers=n_layers, num_heads=heads, num_kv_heads=heads,
         head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, intermediate_size=inter, layers=tuple(layers),
         moe=moe_spec, mla=mla, linear_attention=la,
     )

@@ -204,7 +204,7 @@ def kda_tensors(prefix: str, hidden: int, la: LinearAttentionSpec, full_rank_gat
         col(prefix + "b_proj.weight", heads, hidden, LINEAR_ATTENTION),
         rep(prefix + "g_a_proj.weight", (dim, hidden), LINEAR_ATTENTION),
         col(prefix + "g_b_proj.weight", qkv, dim, LINEAR_ATTENTION, dim),
-        TensorSpec(prefix + "A_log", (heads,), LINEAR_ATTENTION, tp_dim=0),
+        TensorSpec(prefix + "A_log", (1, 1, heads, 1), LINEAR_ATTENTION, tp_dim=2),  # stored [1, 1, heads, 1]
         TensorSpec(prefix + "dt_bias", (qkv,), LINEAR_ATTENTION, tp_dim=0, tp_unit=dim),
         norm(prefix + "o_norm.weight", dim),
         row(prefix + "o_proj.weight", hidden, qkv, LINEAR_ATTENTION, dim),

@@ -99,7 +99,8 @@ def parse_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         dtype=dtype,
         quant_formats=formats,
         quant_method=quant_method,
-        max_position_embeddings=cfg.get("max_position_embeddings", 0),
+        # Kimi configs spell the context length model_max_length
+        max_position_embeddings=cfg.get("max_position_embeddings") or cfg.get("model_max_length", 0),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         config=data,
         **spec_kwargs,
