@@ -55,7 +55,7 @@ def test_files_and_vocabulary(llama):
 
 
 def test_trained_the_same_every_time(llama, tmp_path):
-    """Deterministic: another seed (weights) and another process-free call give the same files."""
+    """Deterministic: another model and another weight seed give the same tokenizer files."""
     other = make_checkpoint("qwen3-30b-a3b", "tiny", tmp_path / "q", seed=11)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         mine, theirs = json.loads((llama / name).read_text()), json.loads((other / name).read_text())

@@ -1,4 +1,5 @@
 """`shardwise bench CHECKPOINT --tp N`: predicted vs measured decode, per layer and term.
+`shardwise bench --url http://HOST:PORT/v1`: an OpenAI-compatible server instead (``bench_serving``).
 
 Probes this host (or reads ``--probe`` JSON from `shardwise probe --json-out`), runs the
 checkpoint with the runtime (plain for tok/s, traced for per-layer times), plans the same
@@ -71,12 +72,41 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
         allreduce: Annotated[str, typer.Option("--allreduce", help="ring, rd, oneshot, two-level, builtin or auto")] = "auto",
         probe: Annotated[Optional[Path], typer.Option("--probe", help="probe JSON (`shardwise probe --json-out`); default: probe now")] = None,
-        out: Annotated[Path, typer.Option("--out", help="bench JSON path")] = Path("bench.json"),
+        out: Annotated[Optional[Path], typer.Option("--out", help="bench JSON path (default bench.json; with --url: none)")] = None,
         trace: Annotated[Path, typer.Option("--trace", help="Chrome trace path (measured ranks + predicted step)")] = Path("bench.trace.json"),
-        timeout: Annotated[float, typer.Option("--timeout", help="seconds a rendezvous or collective may block")] = 120.0,
+        timeout: Annotated[float, typer.Option("--timeout", help="seconds a rendezvous or collective may block; with --url, seconds one request may take")] = 120.0,
         json_out: Annotated[bool, typer.Option("--json", help="print the bench JSON")] = False,
+        url: Annotated[Optional[str], typer.Option("--url", help="measure an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1")] = None,
+        model: Annotated[Optional[str], typer.Option("--model", help="with --url: the served model (default: the first of GET /models)")] = None,
+        pp: Annotated[Optional[int], typer.Option("--pp", help="with --url: prompt tokens per request (default 2048)")] = None,
+        tg: Annotated[Optional[int], typer.Option("--tg", help="with --url: tokens generated per request (default 128)")] = None,
+        depth: Annotated[Optional[str], typer.Option("--depth", help="with --url: context depths before the prompt, e.g. 0,4096,16384 (default 0)")] = None,
+        concurrency: Annotated[Optional[str], typer.Option("--concurrency", help="with --url: requests at once, e.g. 1,4 (default 1)")] = None,
+        runs: Annotated[Optional[int], typer.Option("--runs", help="with --url: waves per point (default 3)")] = None,
+        endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="with --url: completions (default) or chat")] = None,
+        api_key: Annotated[Optional[str], typer.Option("--api-key", help="with --url: bearer token the server wants")] = None,
+        plan_model: Annotated[Optional[str], typer.Option("--plan-model", help="with --url: catalog model whose plan is printed beside each point")] = None,
+        box: Annotated[Optional[str], typer.Option("--box", help="with --plan-model: box from the catalog")] = None,
+        boxes: Annotated[Optional[int], typer.Option("--boxes", help="with --plan-model: number of boxes")] = None,
+        link: Annotated[Optional[str], typer.Option("--link", help="with --plan-model: link from the catalog (default 100g-roce)")] = None,
+        runtime: Annotated[Optional[str], typer.Option("--runtime", help="with --plan-model: runtime profile (default vllm)")] = None,
     ) -> None:
-        """Run a checkpoint traced and plan it on the probed cluster: predicted vs measured decode."""
+        """Run a checkpoint traced and plan it on the probed cluster: predicted vs measured decode.
+        With --url, measure an OpenAI-compatible server per pp/tg @ depth point and concurrency."""
+        if url is not None:
+            if checkpoint is not None:
+                raise ShardwiseError("pass either a CHECKPOINT or --url, not both")
+            from shardwise.commands.bench_serving import serving_bench
+
+            return serving_bench(url, model, pp, tg, depth, concurrency, runs, endpoint, api_key, timeout, plan_model,
+                                 box, boxes, link, runtime, out, json_out)
+        given = [f for f, v in (("--model", model), ("--pp", pp), ("--tg", tg), ("--depth", depth),
+                                ("--concurrency", concurrency), ("--runs", runs), ("--endpoint", endpoint),
+                                ("--api-key", api_key), ("--plan-model", plan_model), ("--box", box),
+                                ("--boxes", boxes), ("--link", link), ("--runtime", runtime)) if v is not None]
+        if given:
+            raise ShardwiseError(f"{given[0]} is for measuring a server: pass --url http://HOST:PORT/v1")
+        out = out if out is not None else Path("bench.json")
         from shardwise.measure.bench import (OpCounts, bench_document, count_rank_ops, predict,
                                              predicted_trace_events, with_host_probe)
         from shardwise.measure.probe import ProbeConfig, run_probe
