@@ -25,8 +25,9 @@ from shardwise.spec.parse import load_model
 GB = 1e9
 
 
-def core_rate(model_name: str, max_boxes: int, repeats: int = 5) -> tuple[int, float]:
-    """(configurations per evaluate call, seconds per call) on layouts × boxes × links of one model."""
+def core_rate(model_name: str, max_boxes: int, repeats: int = 5, batches=1) -> tuple[int, float]:
+    """(configurations per evaluate call, seconds per call) on layouts × boxes × links of one model
+    (× batch sizes when ``batches`` is a sequence)."""
     catalog = load_catalog()
     boxes, links = list(catalog.boxes.values()), list(catalog.links.values())
     model = load_model(model_name)
@@ -41,12 +42,12 @@ def core_rate(model_name: str, max_boxes: int, repeats: int = 5) -> tuple[int, f
     beta = np.array([lk.bandwidth_gbps * GB for lk in links])[None, None, :]
     net = np.array([lk.kind in ("tcp", "rdma") for lk in links])[None, None, :]
     hw = core.Hardware(bw, peak, alpha, beta, network=net)
-    grid.evaluate(model, table, layout, hw, mem, 4096, profile=prof)  # warm caches
+    grid.evaluate(model, table, layout, hw, mem, 4096, profile=prof, batch=batches)  # warm caches
     t0 = time.perf_counter()
     for _ in range(repeats):
-        out = grid.evaluate(model, table, layout, hw, mem, 4096, profile=prof)
+        out = grid.evaluate(model, table, layout, hw, mem, 4096, profile=prof, batch=batches)
     seconds = (time.perf_counter() - t0) / repeats
-    return int(np.broadcast_to(out["tok_per_s"], (len(plans), len(boxes), len(links))).size), seconds
+    return int(out["tok_per_s"].size), seconds
 
 
 def main() -> None:
@@ -58,6 +59,10 @@ def main() -> None:
         n, s = core_rate(name, args.max_boxes)
         print(f"core evaluate, {name}: {n:,} configurations (layouts x boxes x links) in {s * 1e3:.1f} ms "
               f"= {n / s / 1e6:.2f} M configurations/s")
+        batches = (1, 2, 4, 8, 16, 32, 64, 128)
+        n, s = core_rate(name, args.max_boxes, batches=batches)
+        print(f"core evaluate, {name}, batch {batches[0]}..{batches[-1]} as a dimension: {n:,} configurations "
+              f"in {s * 1e3:.1f} ms = {n / s / 1e6:.2f} M configurations/s")
 
     req = build_request(max_boxes=args.max_boxes)
     t0 = time.perf_counter()

@@ -104,3 +104,26 @@ def test_bad_batch_is_one_line(flag):
     verb = "plan" if flag == "--batch" else "sweep"
     proc = run_cli(verb, flag, "0")
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_core_takes_batch_as_a_dimension():
+    """A sequence of batch sizes adds a leading axis whose rows equal one evaluation per size."""
+    from shardwise.perf import core, grid
+    from shardwise.perf.configurations import enumerate_layouts
+    from shardwise.perf.estimate import formats_bits
+    from shardwise.perf.profiles import get_profile
+    from shardwise.spec.parse import load_model
+
+    model = load_model("qwen3-30b-a3b")
+    plans = enumerate_layouts(model, (1, 2, 4, 8))
+    table = core.build_layout_table(model, plans, formats_bits(model.group_formats()))
+    hw = core.Hardware(np.array([273e9, 3.35e12])[None, :], np.array([1e14, 9.9e14])[None, :], 5e-6, 12.5e9)
+    layout = np.arange(len(plans))[:, None]
+    prof = get_profile("vllm")
+    stacked = grid.evaluate(model, table, layout, hw, 128e9, 4096, profile=prof, batch=[1, 8, 64])
+    assert stacked["tok_per_s"].shape == (3, len(plans), 2)
+    for i, b in enumerate((1, 8, 64)):
+        one = grid.evaluate(model, table, layout, hw, 128e9, 4096, profile=prof, batch=b)
+        np.testing.assert_array_equal(stacked["tok_per_s"][i], one["tok_per_s"])
+        np.testing.assert_array_equal(stacked["fits"][i], one["fits"])
+    assert (stacked["aggregate_tok_per_s"][2] > stacked["aggregate_tok_per_s"][0]).all()

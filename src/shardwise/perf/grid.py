@@ -8,6 +8,8 @@ configuration.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from shardwise.perf.core import Hardware, LayoutCounts, LayoutTable, collective_figures, fullest_rank_bytes, step_figures
@@ -57,10 +59,12 @@ def evaluate(
     acceptance: float = 0.0,
     drafting_s: np.ndarray | float = 0.0,
     replicated_bytes: float = 0.0,
-    batch: int = 1,
+    batch: int | Sequence[int] = 1,
 ) -> dict[str, np.ndarray]:
     """Decode tok/s, step-time terms and memory fit of ``batch`` sequences decoded together;
-    arrays broadcast against each other.
+    arrays broadcast against each other. A sequence of batch sizes adds a leading batch axis to
+    every array (the union of experts and the busiest rank differ per batch, so each size is
+    priced over the whole grid in turn).
 
     ``layout`` indexes ``table``; the box and link figures of ``hw`` and ``box_bytes`` broadcast
     against it (collectives on network links pay the profile's per-call ``collective_overhead_s``);
@@ -73,6 +77,12 @@ def evaluate(
     decode step, drafting not included), memory_s, compute_s, layers_s, collective_s, used_bytes,
     free_bytes, fits, bottleneck (index into ``BOTTLENECKS``).
     """
+    if not np.isscalar(batch):
+        each = [evaluate(model, table, layout, hw, box_bytes, context_tokens, profile=profile,
+                         reserve_fraction=reserve_fraction, spec_tokens=spec_tokens, acceptance=acceptance,
+                         drafting_s=drafting_s, replicated_bytes=replicated_bytes, batch=int(b)) for b in batch]
+        return {k: np.stack([np.broadcast_to(e[k], np.broadcast_shapes(*(x[k].shape for x in each))) for e in each])
+                for k in each[0]}
     positions = spec_tokens + 1 if spec_tokens else 1
     layout = np.asarray(layout)
     fig = step_figures(model, table, context_tokens, positions, batch=batch)
