@@ -43,16 +43,11 @@ import torch
 from torch import nn
 
 from shardwise.errors import ShardwiseError
+from shardwise.spec.mixers import state_slots  # the planner's formula: one for both
 
 State = tuple[torch.Tensor, torch.Tensor]
 """(recurrent state [B, *state_shape] float32, conv window [B, channels, kernel - 1]: the conv
 inputs of the kernel - 1 positions before)."""
-
-
-def state_slots(max_step_tokens: int) -> int:
-    """Snapshots a linear-attention layer holds per sequence: 1 for plain decoding, else
-    ``max_step_tokens + 1`` (the state before a pass of ``max_step_tokens`` positions and after each)."""
-    return 1 if max_step_tokens == 1 else max_step_tokens + 1
 
 
 class LinearStateCache(nn.Module):
