@@ -127,12 +127,6 @@ class LayoutTable:
         return self.counts.plans
 
 
-def _signature(layer: LayerSpec) -> tuple:
-    return (layer.attention, layer.mlp, layer.window) + tuple(
-        (t.group, t.shape, t.tp_dim, t.tp_unit, t.experts, t.expert_dim) for t in layer.tensors
-    )
-
-
 def _layer_row(model: ModelSpec, layer: LayerSpec, plan: ParallelPlan, kv_bytes: float) -> tuple:
     """One layer on one tensor rank of ``plan``: (dense_g, expert_g, held_g, dense matmul, expert
     matmul, cache bytes per ctx, state held, state traffic, FLOPs per ctx, constant FLOPs)."""
@@ -177,8 +171,8 @@ def _global_reads(model: ModelSpec, plan: ParallelPlan) -> tuple[np.ndarray, flo
 
 def count_layouts(model: ModelSpec, plans: list[ParallelPlan], kv_bytes: float = 2.0) -> LayoutCounts:
     """Element counts, cache and attention figures per layout and layer (quantization-free)."""
-    sigs = [_signature(layer) for layer in model.layers]
-    first_of: dict[tuple, LayerSpec] = {}
+    sigs = model.layer_structure  # layers of one structure cost the same: count each once
+    first_of: dict[int, LayerSpec] = {}
     for sig, layer in zip(sigs, model.layers):
         first_of.setdefault(sig, layer)
     keys = sorted({(p.tp, p.ep) for p in plans})

@@ -89,16 +89,22 @@ def _fullest_rank(table: core.LayoutTable, context_tokens: int, step_tokens: int
 
 def _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
                          replicated_bytes, step_tokens: int, batch: int, lowest: int, highest: int) -> int | None:
-    """Smallest box count in [lowest, highest] whose default layout fits, all counts priced at once."""
+    """Smallest box count in [lowest, highest] whose default layout fits: counts priced a block at
+    a time (8, then doubling), each block in one table, so the usual answer near ``lowest`` costs
+    one small table however far ``highest`` is."""
     tps = valid_tp_degrees(model)
-    counts = [n for n in range(lowest, highest + 1) if any(n % t == 0 for t in tps)]
-    if not counts:
-        return None
-    table = core.build_layout_table(model, [default_plan(model, n) for n in counts], formats_bits, kv_bytes)
-    w, kv = _fullest_rank(table, context_tokens, step_tokens, batch)
-    used = w + kv + table.counts.workspace_bytes + reserve_fraction * box_bytes + replicated_bytes
-    fitting = np.flatnonzero(used <= box_bytes)
-    return counts[int(fitting[0])] if len(fitting) else None
+    start, block = lowest, 8
+    while start <= highest:
+        counts = [n for n in range(start, min(start + block, highest + 1)) if any(n % t == 0 for t in tps)]
+        if counts:
+            table = core.build_layout_table(model, [default_plan(model, n) for n in counts], formats_bits, kv_bytes)
+            w, kv = _fullest_rank(table, context_tokens, step_tokens, batch)
+            used = w + kv + table.counts.workspace_bytes + reserve_fraction * box_bytes + replicated_bytes
+            fitting = np.flatnonzero(used <= box_bytes)
+            if len(fitting):
+                return counts[int(fitting[0])]
+        start, block = start + block, block * 2
+    return None
 
 
 def memory_fit(

@@ -130,11 +130,14 @@ class ModelSpec:
 
     @cached_property
     def layer_structure(self) -> tuple[int, ...]:
-        """An id per layer; layers with equal ids have identical tensor shapes, groups and splits."""
+        """An id per layer; layers with equal ids have the same mixer kind, MLP, window and tensor
+        shapes, groups and splits (so they cost the same)."""
         ids: dict[tuple, int] = {}
         out = []
         for layer in self.layers:
-            key = tuple((t.shape, t.group, t.tp_dim, t.tp_unit, t.experts, t.expert_dim) for t in layer.tensors)
+            key = (layer.attention, layer.mlp, layer.window) + tuple(
+                (t.shape, t.group, t.tp_dim, t.tp_unit, t.tp_pad, t.tp_parts, t.experts, t.expert_dim)
+                for t in layer.tensors)
             out.append(ids.setdefault(key, len(ids)))
         return tuple(out)
 
