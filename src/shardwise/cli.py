@@ -54,23 +54,53 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+def _click_exceptions() -> list:
+    """click's exception module and typer's vendored copy (typer >= 0.28 raises its own classes,
+    which are not click's subclasses)."""
+    import click
+
+    modules = [click.exceptions]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:  # an older typer uses click itself
+        return modules
+    return modules + [vendored]
+
+
 def main() -> None:
-    """Entry point: run the app, print ShardwiseError as one line on stderr and exit 2."""
+    """Entry point: every user error is one line on stderr starting ``error:`` with exit 2
+    (ShardwiseError and click/typer usage errors); Ctrl-C is one line with exit 130; an internal
+    bug is one line with exit 1 and a hint to rerun with ``--debug`` for the traceback."""
+    debug = "--debug" in sys.argv[1:]
+    if debug:
+        sys.argv.remove("--debug")
     verb = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     app = build_app(verb if verb in VERBS else None)
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except ShardwiseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except typer.Abort:
-        sys.exit(130)
-    except Exception as exc:  # click usage errors carry their own exit code
-        import click
+        _fail(str(exc), 2)
+    except (KeyboardInterrupt, typer.Abort):
+        _fail("interrupted", 130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:
+        for kinds in _click_exceptions():
+            if isinstance(exc, getattr(kinds, "NoArgsIsHelpError", ())):
+                exc.show()  # `shardwise` alone (or a verb group) prints its help
+                sys.exit(0)
+            if isinstance(exc, kinds.ClickException):
+                hint = f" (see shardwise {verb} --help)" if verb in VERBS else " (see shardwise --help)"
+                _fail(" ".join(exc.format_message().split()) + hint, 2)
+        if debug:
+            raise
+        _fail(f"internal error: {type(exc).__name__}: {exc}; rerun with --debug for the traceback", 1)
+    if isinstance(code, int) and code:
+        if code == 130:
+            _fail("interrupted", 130)
+        sys.exit(code)
 
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
-        raise
+
+def _fail(message: str, code: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
