@@ -43,3 +43,14 @@ def test_ctrl_c_exits_130_with_one_line_and_no_rank_left():
     time.sleep(1)
     ranks = subprocess.run(["pgrep", "-f", "shardwise-r"], capture_output=True, text=True)
     assert ranks.stdout.strip() == "", ranks.stdout
+
+
+def test_context_beyond_the_models_positions_is_refused_at_once():
+    """--context past max_position_embeddings is one line naming the limit (it used to run the
+    box search for more than a minute); a context that fits no layout says how far it searched."""
+    proc = run_cli("plan", "--context", "1000000000", timeout=30)
+    assert proc.returncode == 2 and "exceeds kimi-k3's 1,048,576 positions" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    far = run_cli("plan", "--model", "deepseek-v3", "--boxes", "8", "--box", "rtx-4090", "--context", "163840",
+                  "--link", "10gbe-tcp", timeout=60)
+    assert far.returncode == 2 and "error:" in far.stderr and "Traceback" not in far.stderr

@@ -139,7 +139,10 @@ def register(app: typer.Typer) -> None:
             at_batch = f" at --batch {batch} (it holds {mem['max_batch']} sequences)" if batch > 1 else ""
             raise ShardwiseError(
                 f"{sc.model.name} does not fit on {sc.boxes} x {sc.box.name}{at_batch} ({-mem['free_bytes'] / 1e9:,.1f} GB "
-                f"short on the fullest box): it needs {need if need else 'more than 64'} boxes"
+                f"short on the fullest box): "
+                + (f"it needs {need} boxes" if need else
+                   f"no layout of up to {mem['layout_search_max_boxes']:,} boxes holds it (a cache replicated on "
+                   "every rank, such as MLA's latent, does not shrink with more boxes): lower --context or --batch")
             )
         launch = launch_plan(emit, doc, sc, model, draft_model, cluster) if emit else None
         if json_out:

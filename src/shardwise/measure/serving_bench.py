@@ -191,7 +191,7 @@ def plan_predictions(args: PlanArgs, pp: int, tg: int, depths: tuple[int, ...]) 
         doc = estimate(sc)
         if not doc["memory"]["fits"]:
             raise ShardwiseError(f"--plan-model {args.model} does not fit on {sc.boxes} x {sc.box.name} at "
-                                 f"{depth + pp + tg} tokens of context: it needs {doc['memory']['min_boxes_layout'] or 'more than 64'} boxes")
+                                 f"{depth + pp + tg} tokens of context: it needs {doc['memory']['min_boxes_layout'] or 'more than ' + str(doc['memory']['layout_search_max_boxes'])} boxes")
         decode, prefill = doc["decode"]["tok_per_s"], doc["prefill"]["tok_per_s"]
         out[depth] = {
             "model": sc.model.name, "box": sc.box.name, "boxes": sc.boxes, "link": sc.link.name,

@@ -322,6 +322,7 @@ def estimate(sc: Scenario, curve: bool = False) -> dict:
             "total_weight_bytes": fit.total_weight_bytes, "min_boxes_weights": fit.min_boxes_weights,
             "min_boxes": fit.min_boxes, "min_boxes_layout": fit.min_boxes_layout, "fits": fit.fits,
             "context_tokens": ctx, "batch": sc.batch, "max_batch": fit.max_batch,
+            "layout_search_max_boxes": fit.layout_search_max,
         },
         "decode": {
             "naive_bytes_per_token": naive_bytes, "bytes_per_token": active_bytes,

@@ -37,10 +37,11 @@ class MemoryFit:
     total_weight_bytes: float  # whole model at its formats
     min_boxes_weights: int  # weights alone over box memory (less replicated bytes), no reserves
     min_boxes: int  # weights + cache + workspace + reserve, split evenly
-    min_boxes_layout: int | None  # smallest count whose default layout fits
+    min_boxes_layout: int | None  # smallest count whose default layout fits (None: none up to layout_search_max)
     fits: bool
     batch: int = 1  # sequences whose caches ``kv_bytes`` holds
     max_batch: int = 0  # most sequences of the context whose caches fit beside the weights
+    layout_search_max: int = 0  # the most boxes the min_boxes_layout search tried
 
     @property
     def used_bytes(self) -> float:
@@ -132,13 +133,14 @@ def memory_fit(
     whole_cache = batch * model.cache_bytes(context_tokens, kv_bytes)
     usable = room - reserve - work
     min_boxes = math.ceil((total + whole_cache) / usable) if usable > 0 else 0
+    search_max = max(4 * max(min_boxes, 1), 64)
     layout_count = _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
-                                        replicated_bytes, step_tokens, batch, max(min_boxes, 1),
-                                        max(4 * max(min_boxes, 1), 64))
+                                        replicated_bytes, step_tokens, batch, max(min_boxes, 1), search_max)
     most = core.max_batch(table, context_tokens, box_bytes - reserve - work - replicated_bytes, step_tokens)
     return MemoryFit(
         box_bytes=box_bytes, weights_bytes=w, kv_bytes=kv, workspace_bytes=work, reserve_bytes=reserve,
         replicated_bytes=replicated_bytes, total_weight_bytes=total, min_boxes_weights=min_weights,
         min_boxes=min_boxes, min_boxes_layout=layout_count,
         fits=w + kv + work + reserve + replicated_bytes <= box_bytes, batch=batch, max_batch=int(most[0]),
+        layout_search_max=search_max,
     )

@@ -96,6 +96,11 @@ def build_scenario(
     draft = resolve_draft(draft_model, [spec], spec_tokens)
     if context < 1:
         raise ShardwiseError(f"--context must be >= 1 token, got {context}")
+    if spec.max_position_embeddings and context > spec.max_position_embeddings:
+        raise ShardwiseError(
+            f"--context {context:,} exceeds {spec.name}'s {spec.max_position_embeddings:,} positions "
+            f"(max_position_embeddings): use --context {spec.max_position_embeddings} or less"
+        )
     if price is not None:
         unit_price, price_note = price, "--price"
     elif getattr(box_obj, "builder_price_usd", None):
