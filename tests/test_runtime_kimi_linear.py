@@ -30,11 +30,12 @@ import pytest
 import torch
 
 from conftest import run_cli
+from runtime_checks import PoisonRejected, randomise
 from shardwise.errors import ShardwiseError
 from shardwise.perf.memory import rank_cache_bytes
 from shardwise.plan import ParallelPlan, rank_param_counts
 from shardwise.runtime.checkpoint import make_checkpoint
-from shardwise.runtime.drafters import Drafter, DraftModel, PromptLookup
+from shardwise.runtime.drafters import DraftModel, PromptLookup
 from shardwise.runtime.exact import row_blocked
 from shardwise.runtime.generate import generate
 from shardwise.runtime.kda import kda_chunked, kda_step, l2_normalize
@@ -69,22 +70,22 @@ def _config(layers: int = 4, seed_layers=(1, 3, 4), mla=(2,)):
     )
 
 
+def _decay_rates(name: str, t: torch.Tensor) -> bool:
+    """KDA's decay parameters as FLA initialises them (randomise's rule for the rest)."""
+    if name.endswith("A_log"):
+        t.copy_(torch.empty_like(t).uniform_(1, 16).log())
+    elif name.endswith("dt_bias"):
+        t.copy_(torch.empty_like(t).uniform_(-6, -1))
+    else:
+        return False
+    return True
+
+
 def _save(config, folder, seed: int):
     """A transformers model with every weight random (decay rates as FLA initialises them), saved."""
     torch.manual_seed(seed)
     hf = _transformers().AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
-            if name.endswith("A_log"):
-                t.copy_(torch.empty_like(t).uniform_(1, 16).log())
-            elif name.endswith("dt_bias"):
-                t.copy_(torch.empty_like(t).uniform_(-6, -1))
-            elif "norm" in name:
-                t.copy_(1 + 0.1 * torch.randn_like(t))
-            elif t.dim() == 1:
-                t.copy_(0.1 * torch.randn_like(t))
-            else:
-                t.copy_(0.08 * torch.randn_like(t))
+    randomise(hf, _decay_rates)
     hf.save_pretrained(folder)
     return hf
 
@@ -195,32 +196,6 @@ def test_tp_matches_transformers(ckpts, tp):
 # ------------------------------------------------------------------------------- speculative decoding
 
 
-class _PoisonRejected(Drafter):
-    """After each rollback, fills with NaN what the rejected positions left: every KDA state snapshot
-    past the accepted length (the next pass starts from the snapshot *at* it), the conv inputs of the
-    positions from it on (``linear_state.LinearStateCache``'s ring) and the MLA cache from it on.
-    Reading any of them would poison the output."""
-
-    def __init__(self, inner: Drafter, model):
-        self.inner, self.model = inner, model
-
-    def propose(self, context, k):
-        return self.inner.propose(context, k)
-
-    def rollback(self, length):
-        self.inner.rollback(length)
-        for layer in self.model.model.layers:
-            attn = layer.self_attn
-            if getattr(attn, "recurrent", False):
-                cache = attn.state
-                for p in range(length + 1, cache.high + 1):
-                    cache.state_cache[p % cache.slots] = float("nan")
-                for p in range(length, cache.high):
-                    cache.conv_cache[:, :, p % cache.conv_cache.shape[-1]] = float("nan")
-            else:
-                attn.latent_cache[:, length:] = float("nan")
-
-
 @torch.no_grad()
 def _verify_equals_steps(model) -> bool:
     """7 positions verified in one pass give bit-identical logits to 7 single steps."""
@@ -251,7 +226,7 @@ def _spec_cases(rank: int, world_size: int, target: str, draft: str, poison: boo
         prompt = REPEAT if method == "ngram" else PROMPT
         drafter = PromptLookup() if method == "ngram" else DraftModel(drafts[method])
         if poison:
-            drafter = _PoisonRejected(drafter, model)
+            drafter = PoisonRejected(drafter, model)
         result = speculative_generate(model, prompt, NEW, drafter, k, eos=set())
         out["spec"][method, k] = (len(prompt), result.tokens)
         out["accepted"][method, k] = (sum(result.accepted), sum(result.drafts))

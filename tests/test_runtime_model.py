@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from runtime_checks import randomise  # noqa: E402
 from shardwise.plan import ParallelPlan, rank_param_counts  # noqa: E402
 from shardwise.runtime.launch import launch_local  # noqa: E402
 
@@ -49,20 +50,6 @@ def _configs():
     }
 
 
-def _randomise(model: torch.nn.Module) -> None:
-    """Every parameter and buffer random (norms near 1), so biases and sinks matter."""
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if "norm" in name:
-                t.copy_(1 + 0.1 * torch.randn_like(t))
-            elif t.dim() == 1:
-                t.copy_(0.1 * torch.randn_like(t))
-            else:
-                t.copy_(0.08 * torch.randn_like(t))
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     out = {}
@@ -70,7 +57,7 @@ def models(tmp_path_factory):
     for i, (key, config) in enumerate(_configs().items()):
         torch.manual_seed(100 + i)
         hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-        _randomise(hf)
+        randomise(hf)
         folder = tmp_path_factory.mktemp(key)
         hf.save_pretrained(folder)
         with torch.no_grad():

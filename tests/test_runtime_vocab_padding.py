@@ -18,6 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from runtime_checks import randomise  # noqa: E402
 from shardwise.plan import ParallelPlan  # noqa: E402
 from shardwise.runtime.launch import launch_local  # noqa: E402
 from shardwise.runtime.layers import vocab_rows, vocab_span  # noqa: E402
@@ -47,16 +48,8 @@ def _configs():
 
 
 def _randomise(model: torch.nn.Module) -> None:
+    randomise(model)
     with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if "norm" in name:
-                t.copy_(1 + 0.1 * torch.randn_like(t))
-            elif t.dim() == 1:
-                t.copy_(0.1 * torch.randn_like(t))
-            else:
-                t.copy_(0.08 * torch.randn_like(t))
         model.lm_head.weight[:, 0] += 1.0  # tied: the embedding too, harmless
 
 

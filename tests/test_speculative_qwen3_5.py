@@ -16,13 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime_checks import PoisonRejected
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan
 from shardwise.runtime.checkpoint import make_checkpoint
-from shardwise.runtime.drafters import Drafter, DraftModel, PromptLookup
+from shardwise.runtime.drafters import DraftModel, PromptLookup
 from shardwise.runtime.exact import row_blocked
 from shardwise.runtime.launch import launch_local
-from shardwise.runtime.linear_state import LinearStateCache
 from shardwise.runtime.loader import load_shard, load_spec
 from shardwise.runtime.model import ShardedCausalLM
 from shardwise.runtime.speculative import speculative_generate, speculative_summary
@@ -63,30 +63,6 @@ def _cases(c: dict[str, str]) -> list[tuple]:
         ("draft=target", c["count"], "draft", c["count"], MIXED, "all"),
         ("draft=noisy", c["count"], "draft", c["noisy"], MIXED, "some"),
     ]
-
-
-class _PoisonRejected(Drafter):
-    """On rollback, fills the target's state snapshots past the accepted length and its KV cache
-    from it with NaN: any read of a rolled-back update would poison the output."""
-
-    def __init__(self, inner: Drafter, model):
-        self.inner, self.model = inner, model
-
-    def propose(self, context, k):
-        return self.inner.propose(context, k)
-
-    def rollback(self, length):
-        self.inner.rollback(length)
-        for layer in self.model.model.layers:
-            mixer = layer.self_attn
-            if isinstance(getattr(mixer, "state", None), LinearStateCache):
-                cache = mixer.state
-                for p in range(length + 1, cache.high + 1):  # states at, conv inputs of, rolled-back positions
-                    cache.state_cache[p % cache.slots] = float("nan")
-                    cache.conv_cache[:, :, (p - 1) % cache.conv_cache.shape[-1]] = float("nan")
-            else:
-                mixer.k_cache[:, :, length:] = float("nan")
-                mixer.v_cache[:, :, length:] = float("nan")
 
 
 def _load(folder: str, tp: int, rank: int, steps: int = max(KS) + 1):
@@ -137,7 +113,7 @@ def _rank_cases(rank: int, world_size: int, cases: list, poison: bool) -> list[d
             else:
                 drafter = PromptLookup(1, 3)
             if poison:
-                drafter = _PoisonRejected(drafter, model)
+                drafter = PoisonRejected(drafter, model)
             result = speculative_generate(model, prompt, NEW, drafter, k, eos=set())
             row["spec"][k] = result.tokens
             row["same_state"][k] = torch.equal(_next_logits(model, prompt, result.tokens), row["next"])

@@ -1,0 +1,54 @@
+"""Helpers the runtime tests share: random reference weights, and a drafter that poisons what a
+rejected speculative draft left behind. Tests import them by name (``from runtime_checks import ...``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardwise.runtime.drafters import Drafter
+
+
+def randomise(model: torch.nn.Module, special: Callable[[str, torch.Tensor], bool] | None = None) -> None:
+    """Every parameter and buffer of a transformers model random, so biases and sinks matter: norms
+    near 1, other 1-D tensors N(0, 0.1²), the rest N(0, 0.08²); rotary ``inv_freq`` kept.
+    ``special(name, tensor)`` may fill a tensor itself first (returning True)."""
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name or (special is not None and special(name, t)):
+                continue
+            if "norm" in name:
+                t.copy_(1 + 0.1 * torch.randn_like(t))
+            elif t.dim() == 1:
+                t.copy_(0.1 * torch.randn_like(t))
+            else:
+                t.copy_(0.08 * torch.randn_like(t))
+
+
+class PoisonRejected(Drafter):
+    """After each rollback, fills with NaN what the rejected positions left in the target: every
+    linear-attention state snapshot past the accepted length (the next pass starts from the one *at*
+    it), the conv inputs of the positions from it on (``linear_state.LinearStateCache``'s ring) and
+    the attention caches (KV or MLA latent) from it on. Reading any of them would poison the output."""
+
+    def __init__(self, inner: Drafter, model):
+        self.inner, self.model = inner, model
+
+    def propose(self, context, k):
+        return self.inner.propose(context, k)
+
+    def rollback(self, length):
+        self.inner.rollback(length)
+        for layer in self.model.model.layers:
+            mixer = layer.self_attn
+            if getattr(mixer, "recurrent", False):
+                cache = mixer.state
+                for p in range(length + 1, cache.high + 1):
+                    cache.state_cache[p % cache.slots] = float("nan")
+                    cache.conv_cache[:, :, (p - 1) % cache.conv_cache.shape[-1]] = float("nan")
+            elif hasattr(mixer, "latent_cache"):
+                mixer.latent_cache[:, length:] = float("nan")
+            else:
+                mixer.k_cache[:, :, length:] = float("nan")
+                mixer.v_cache[:, :, length:] = float("nan")
