@@ -44,7 +44,7 @@ from shardwise.plan import ParallelPlan, local_experts, shard_slice
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE
 from shardwise.runtime.mxfp4_matmul import decode
 from shardwise.runtime.packed_weights import BLOCKS, SCALES, Quantization, quantization
-from shardwise.runtime.stored_names import stored_name, stored_shape
+from shardwise.runtime.stored_names import stored_name
 from shardwise.spec.model import ModelSpec, TensorSpec
 from shardwise.spec.parse import load_model
 
@@ -140,8 +140,7 @@ class Source:
     name/shape: the stored tensor and its full stored shape; ``expert``: leading index to
     select (fused expert tensors); ``row_offset``: where this tensor's rows start along
     the split dimension (up_proj inside a fused gate_up); ``transposed``: stored as
-    (…, in, out) and swapped on load (gpt-oss); ``reshaped``: stored with other (unit)
-    dimensions than the ModelSpec's and viewed in its shape on load (Kimi's A_log).
+    (…, in, out) and swapped on load (gpt-oss).
     """
 
     name: str
@@ -149,7 +148,6 @@ class Source:
     expert: int | None = None
     row_offset: int = 0
     transposed: bool = False
-    reshaped: bool = False
 
 
 def _fused_name(template: str) -> tuple[str, str] | None:
@@ -174,11 +172,10 @@ def sources(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint | None, expert
         if spec.family == "gpt_oss" and tensor.expert_dim is not None and tensor.name.endswith(("gate_up_proj", "down_proj")):
             e, out, inp = tensor.shape
             return Source(tensor.name, (e, inp, out), transposed=True)
-        name = stored_name(spec.family, tensor, tensor.name, None if ckpt is None else ckpt.__contains__)
-        shape = stored_shape(spec.family, tensor, ckpt.shape(name) if ckpt is not None and name in ckpt else None)
-        return Source(name, shape, reshaped=shape != tensor.shape)
+        return Source(stored_name(spec.family, tensor.name, None if ckpt is None else ckpt.__contains__),
+                      tensor.shape)
     e = 0 if expert is None else expert
-    name = stored_name(spec.family, tensor, tensor.name.format(e=e), None if ckpt is None else ckpt.__contains__)
+    name = stored_name(spec.family, tensor.name.format(e=e), None if ckpt is None else ckpt.__contains__)
     fused = _fused_name(tensor.name)
     if ckpt is None or name in ckpt or fused is None or fused[0] not in ckpt:
         return Source(name, tensor.shape)
@@ -288,9 +285,6 @@ def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: Tensor
         return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)[..., inner].contiguous()
     src = sources(spec, tensor, ckpt, expert)
     cut = shard_slice(tensor, plan, tp_rank)
-    if src.reshaped:  # read whole (a few values), viewed in the ModelSpec's shape, then cut
-        whole = ckpt.read(src.name, tuple(slice(None) for _ in src.shape)).reshape(tensor.shape)
-        return whole if cut is None else whole[(slice(None),) * tensor.tp_dim + (slice(*cut),)]
     if src.transposed:  # gpt-oss fused experts stored [E, in, out]
         experts = local_experts(tensor.num_experts, plan, tp_rank)
         index = [slice(experts.start, experts.stop), slice(None), slice(None)]

@@ -85,7 +85,7 @@ class Quantization:
             if tensor.group not in MATMUL_GROUPS or len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
                 return False
             name = tensor.name.format(e=0 if expert is None else expert)
-            module = stored_name(self.family, tensor, name).removesuffix(".weight")
+            module = stored_name(self.family, name).removesuffix(".weight")
             groups = (self.config.get("config_groups") or {}).values()
             targeted = any(t == "Linear" or _matches(t, module) for g in groups for t in g.get("targets", ()))
             return targeted and not any(_matches(rule, module) for rule in self.config.get("ignore") or ())
@@ -96,7 +96,7 @@ class Quantization:
         if self.layout == LAYOUT_GPT_OSS:
             return gpt_oss_tensor_names(tensor.name)
         name = tensor.name.format(e=0 if expert is None else expert) if "{e}" in tensor.name else tensor.name
-        return compressed_tensors_names(stored_name(self.family, tensor, name).removesuffix(".weight"))
+        return compressed_tensors_names(stored_name(self.family, name).removesuffix(".weight"))
 
     def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Stored (blocks, scales) shapes of a weight of logical shape [..., out, in]."""

@@ -146,7 +146,7 @@ def _names(tensor: TensorSpec) -> list[int | None]:
 def _module(tensor: TensorSpec, expert: int | None, family: str = "") -> str:
     """The checkpoint's module name of ``tensor`` (expert ``expert``): what ``ignore`` rules match."""
     name = tensor.name.format(e=expert) if expert is not None else tensor.name
-    return stored_name(family, tensor, name).removesuffix(".weight")
+    return stored_name(family, name).removesuffix(".weight")
 
 
 def _generic(module: str) -> str:
@@ -229,8 +229,6 @@ def _stored(spec: ModelSpec, tensor: TensorSpec, expert: int | None, data: torch
     src = sources(spec, tensor, None, expert)
     if src.transposed:
         data = data.transpose(1, 2)
-    elif src.reshaped:
-        data = data.reshape(src.shape)
     return src.name, data.contiguous()
 
 
