@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardwise.perf import core
+from shardwise.perf import collectives, core
 from shardwise.perf.core import Hardware
 from shardwise.plan import ParallelPlan
 from shardwise.spec.model import ModelSpec
 
-ALL_ALGORITHMS = ("ring", "rd", "oneshot", "tree")
+ALL_ALGORITHMS = tuple(collectives.ALLREDUCE_ALGORITHMS)  # every algorithm the cost model knows
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from shardwise.perf.core import Hardware, LayoutCounts, LayoutTable, collective_figures, fullest_rank_bytes, step_figures
+from shardwise.perf.collectives import ALLREDUCE_ALGORITHMS
 from shardwise.perf.profiles import RuntimeProfile
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.spec.model import ModelSpec
@@ -20,7 +21,7 @@ from shardwise.spec.model import ModelSpec
 BOTTLENECKS = ("memory bandwidth", "compute", "network latency", "host overhead", "drafting")
 PREFILL_BOTTLENECKS = ("compute", "network bandwidth")
 ROOFLINE = RuntimeProfile("roofline", "pure roofline: peak bandwidth and FLOPS, no software overhead", 1.0, 1.0, 0.0, 0.0,
-                          ("ring", "rd", "oneshot", "tree"))
+                          tuple(ALLREDUCE_ALGORITHMS))
 
 
 def _rates(hw: Hardware, profile: RuntimeProfile) -> tuple[np.ndarray, np.ndarray]:
