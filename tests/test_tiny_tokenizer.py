@@ -100,19 +100,25 @@ def test_default_checkpoint_answers_a_chat_with_text(tmp_path, monkeypatch):
 
 
 def test_old_cached_default_gets_the_chat_template(tmp_path, monkeypatch):
-    """A default checkpoint cached before the chat template (no tokenizer_config.json, the old
-    512-id tokenizer) gets the current tokenizer files; config and weights are left as they were."""
+    """A default checkpoint cached before the chat template (no tokenizer_config.json nor
+    generation_config.json, the old 512-id tokenizer) gets the current tokenizer files; config and
+    weights are left as they were."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     fresh = default_checkpoint()
-    expected = {n: (fresh / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
+    expected = {n: (fresh / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json",
+                                                      "generation_config.json")}
     weights = (fresh / "model.safetensors").read_bytes()
     (fresh / "tokenizer_config.json").unlink()
+    (fresh / "generation_config.json").unlink()
     (fresh / "tokenizer.json").write_text("{}")  # whatever was there is replaced
     assert default_checkpoint() == fresh
     assert {n: (fresh / n).read_bytes() for n in expected} == expected
     assert (fresh / "model.safetensors").read_bytes() == weights
-    assert sorted(p.name for p in fresh.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                      "tokenizer_config.json"]
+    assert sorted(p.name for p in fresh.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                      "tokenizer.json", "tokenizer_config.json"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(fresh))
+    stops = json.loads((fresh / "generation_config.json").read_text())["eos_token_id"]
+    assert stops == [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
 
 
 def test_cli_run_default_prompt_text(tmp_path):

@@ -25,6 +25,7 @@ VERBS: dict[str, str] = {
     "make-checkpoint": "run",
     "bench": "bench",
     "quantize": "quantize",
+    "serve": "serve",
 }
 
 

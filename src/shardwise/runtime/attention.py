@@ -10,7 +10,11 @@
   (kv_lora_rank normalised + qk_rope_head_dim rotated) per token, replicated on every rank.
   ``rope=False`` is Kimi Linear's NoPE MLA (``mla_use_nope``): the same tensors, no rotation.
 
-Both return this rank's partial o_proj output; the decoder layer all-reduces it.
+Both return this rank's partial o_proj output; the decoder layer all-reduces it. Called with
+``slots`` (``ShardedCausalLM.forward(ids, start, slots)``: continuous batching), row i of the
+input sits at its own positions ``positions[i]`` and reads and writes cache slot ``slots[i]``;
+its attention then runs alone, exactly as a one-row call at those positions in that slot would
+(the same kernel shapes, so the same bits), and only the projections run on every row at once.
 """
 
 from __future__ import annotations
@@ -116,12 +120,14 @@ def attend(
 
 
 class GQAttention(nn.Module):
-    """Grouped-query attention over this rank's heads, static KV cache [B, kv_local, S, d].
+    """Grouped-query attention over this rank's heads, static KV cache [max_batch, kv_local, S, d]
+    (one row per cache slot: per sequence).
 
-    Full attention: S = ``max_seq_len``, position p in slot p. Sliding window: a ring of
-    S = ``sliding_cache_len(max_seq_len, window, max_step_tokens)`` slots, position p in
-    slot p mod S; a call at ``start`` attends over the ring's ``window - 1`` positions before
-    ``start`` followed by its own new keys, then writes its last (up to S) positions.
+    Full attention: S = ``max_seq_len``, position p at index p. Sliding window: a ring of
+    S = ``sliding_cache_len(max_seq_len, window, max_step_tokens)`` positions, position p at
+    index p mod S, with its bookkeeping per cache slot; a call at ``start`` attends over the
+    ring's ``window - 1`` positions before ``start`` followed by its own new keys, then writes
+    its last (up to S) positions.
     """
 
     def __init__(
@@ -153,13 +159,23 @@ class GQAttention(nn.Module):
         self.scaling = head_dim**-0.5
         self.window = window
         self.cache_len = max_seq_len if window is None else sliding_cache_len(max_seq_len, window, max_step_tokens)
-        # sliding ring: positions low..written-1 are held in their slots (the rest are stale)
-        self.low = self.written = 0
+        # sliding ring of each cache slot: (low, written), positions low..written-1 are held (the rest are stale)
+        self.rings = [(0, 0)] * max_batch
         cache_shape = (max_batch, self.kv_heads, self.cache_len, head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    @property
+    def written(self) -> int:
+        """One past the last position written into slot 0's ring (the one-sequence path's bookkeeping)."""
+        return self.rings[0][1]
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        slots: list[int] | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] at ``positions`` [T] in cache rows 0..B-1, or, with ``slots``, at
+        ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, d/2])."""
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
@@ -169,37 +185,47 @@ class GQAttention(nn.Module):
         cos, sin = rope
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
+        if slots is None:
+            return self.o_proj(self._cached(q, k, v, positions, slice(0, b)))
+        rows = [self._cached(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i], slice(s, s + 1))
+                for i, s in enumerate(slots)]
+        return self.o_proj(torch.cat(rows))
+
+    def _cached(self, q, k, v, positions: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Write k, v [b, kv, T, d] at ``positions`` [T] into cache rows ``rows`` and attend
+        q [b, H, T, d] over those rows' keys → [b, T, H·d]."""
         start, end = int(positions[0]), int(positions[-1]) + 1
         if self.window is not None:
-            return self.o_proj(self._sliding(q, k, v, positions, b, start, end))
-        self.k_cache[:b, :, start:end] = k
-        self.v_cache[:b, :, start:end] = v
-        keys = self.k_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
-        values = self.v_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
-        out = attend(q, keys, values, positions, self.window, self.scaling, self.sinks)
-        return self.o_proj(out)
+            return self._sliding(q, k, v, positions, rows, start, end)
+        self.k_cache[rows, :, start:end] = k
+        self.v_cache[rows, :, start:end] = v
+        keys = self.k_cache[rows, :, :end].repeat_interleave(self.groups, dim=1)
+        values = self.v_cache[rows, :, :end].repeat_interleave(self.groups, dim=1)
+        return attend(q, keys, values, positions, self.window, self.scaling, self.sinks)
 
-    def _sliding(self, q, k, v, positions, b: int, start: int, end: int) -> torch.Tensor:
+    def _sliding(self, q, k, v, positions, rows: slice, start: int, end: int) -> torch.Tensor:
         """Attention over the ring's window before ``start`` plus this call's keys; then the
-        call's last ``cache_len`` positions go into the ring."""
+        call's last ``cache_len`` positions go into the ring. The bookkeeping is ``rows``' first
+        slot's (a call at position 0 starts it afresh: a reused slot holds nothing of its past)."""
         size, window = self.cache_len, self.window
+        low, written = self.rings[rows.start]
         first = max(0, start - window + 1)  # first key position the first query sees
-        if first < start and first < self.low and start <= self.written:
+        if first < start and first < low and start <= written:
             raise ShardwiseError(
                 f"the sliding-window cache of {size} positions no longer holds position {first} "
-                f"(a pass at {start} after positions up to {self.written - 1}): build the model with a "
+                f"(a pass at {start} after positions up to {written - 1}): build the model with a "
                 "larger max_step_tokens"
             )
         device = self.k_cache.device
-        slots = torch.arange(first, start, device=device) % size
-        keys = torch.cat([self.k_cache[:b, :, slots], k], dim=2)
-        values = torch.cat([self.v_cache[:b, :, slots], v], dim=2)
+        ring = torch.arange(first, start, device=device) % size
+        keys = torch.cat([self.k_cache[rows, :, ring], k], dim=2)
+        values = torch.cat([self.v_cache[rows, :, ring], v], dim=2)
         keep = min(end - start, size)
-        slots = torch.arange(end - keep, end, device=device) % size
-        self.k_cache[:b, :, slots] = k[:, :, -keep:]
-        self.v_cache[:b, :, slots] = v[:, :, -keep:]
-        held = min(self.low, start) if start <= self.written else start
-        self.low, self.written = max(held, end - size), end
+        ring = torch.arange(end - keep, end, device=device) % size
+        self.k_cache[rows, :, ring] = k[:, :, -keep:]
+        self.v_cache[rows, :, ring] = v[:, :, -keep:]
+        held = min(low, start) if start <= written else start
+        self.rings[rows] = [(max(held, end - size), end)] * (rows.stop - rows.start)
         keys = keys.repeat_interleave(self.groups, dim=1)
         values = values.repeat_interleave(self.groups, dim=1)
         return attend(q, keys, values, positions, window, self.scaling, self.sinks, key_start=first)
@@ -208,8 +234,9 @@ class GQAttention(nn.Module):
 class MLAttention(nn.Module):
     """DeepSeek-V3 multi-head latent attention over this rank's heads.
 
-    The latent cache [B, S, kv_lora_rank + rope] is what DeepSeek stores per token; keys
-    and values of this rank's heads are expanded from it through kv_b each step.
+    The latent cache [max_batch, S, kv_lora_rank + rope] (one row per cache slot) is what
+    DeepSeek stores per token; keys and values of this rank's heads are expanded from it
+    through kv_b each step.
     """
 
     def __init__(
@@ -250,7 +277,12 @@ class MLAttention(nn.Module):
         shape = (max_batch, max_seq_len, kv_lora_rank + qk_rope_head_dim)
         self.register_buffer("latent_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        slots: list[int] | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] at ``positions`` [T] in cache rows 0..B-1, or, with ``slots``, at
+        ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, rope/2])."""
         b, n, _ = x.shape
         if self.q_proj is None:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -264,12 +296,22 @@ class MLAttention(nn.Module):
             cos, sin = rope
             q_rot = self.rotate(q_rot, cos, sin)
             k_rot = self.rotate(k_rot.unsqueeze(1), cos, sin).squeeze(1)
+        new = torch.cat([kv_nope, k_rot], dim=-1)
+        query = torch.cat([q_pass, q_rot], dim=-1)
+        if slots is None:
+            return self.o_proj(self._cached(query, new, positions, slice(0, b)))
+        rows = [self._cached(query[i : i + 1], new[i : i + 1], positions[i], slice(s, s + 1))
+                for i, s in enumerate(slots)]
+        return self.o_proj(torch.cat(rows))
+
+    def _cached(self, query: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Write latents ``new`` [b, T, rank + rope] at ``positions`` [T] into cache rows ``rows``
+        and attend ``query`` [b, H, T, nope + rope] over those rows' keys → [b, T, H·v_dim]."""
+        b = query.shape[0]
         start, end = int(positions[0]), int(positions[-1]) + 1
-        self.latent_cache[:b, start:end] = torch.cat([kv_nope, k_rot], dim=-1)
-        latent = self.latent_cache[:b, :end]
+        self.latent_cache[rows, start:end] = new
+        latent = self.latent_cache[rows, :end]
         kv = self.kv_b_proj(latent[..., : self.kv_lora_rank]).view(b, end, self.heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
         keys = torch.cat([k_nope, latent[..., self.kv_lora_rank :].unsqueeze(1).expand(-1, self.heads, -1, -1)], dim=-1)
-        query = torch.cat([q_pass, q_rot], dim=-1)
-        out = attend(query, keys, values, positions, None, self.scaling)
-        return self.o_proj(out)
+        return attend(query, keys, values, positions, None, self.scaling)

@@ -204,9 +204,13 @@ def tokenizer_config(max_length: int) -> dict[str, Any]:
 
 
 def write_tokenizer(folder: Path, tok, max_length: int) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder``, each atomically."""
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json`` into
+    ``folder``, each atomically. The generation config lists the chat template's end of turn
+    (``<|im_end|>``) beside the EOS token as ids that end a generation, as Qwen's checkpoints do."""
+    stops = [tok.token_to_id("<|eos|>"), tok.token_to_id("<|im_end|>")]
     files = {"tokenizer.json": tok.to_str(pretty=True),
-             "tokenizer_config.json": json.dumps(tokenizer_config(max_length), indent=2) + "\n"}
+             "tokenizer_config.json": json.dumps(tokenizer_config(max_length), indent=2) + "\n",
+             "generation_config.json": json.dumps({"eos_token_id": stops}, indent=2) + "\n"}
     for name, text in files.items():
         tmp = folder / f".{name}.{os.getpid()}.tmp"
         tmp.write_text(text)
@@ -307,13 +311,13 @@ def cache_dir() -> Path:
 def default_checkpoint() -> Path:
     """The bundled default: a tiny qwen3_moe checkpoint, created once under ``cache_dir()``.
 
-    A cached one from before the chat template (no ``tokenizer_config.json``) gets the current
-    tokenizer files written in place: the trained ids are the same, the ChatML markers take the
+    A cached one from before the chat template or the generation config (no
+    ``generation_config.json``) gets the current tokenizer files written in place: the trained ids are the same, the ChatML markers take the
     last two ids and the weights do not depend on the tokenizer.
     """
     target = cache_dir() / "tiny-qwen3-moe"
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
-        if not (target / "tokenizer_config.json").exists():
+        if not (target / "generation_config.json").exists():
             config = text_config(json.loads((target / "config.json").read_text()))
             write_tokenizer(target, _tokenizer(config["vocab_size"]), int(config.get("max_position_embeddings", 4096)))
         return target

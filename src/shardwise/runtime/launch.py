@@ -43,12 +43,14 @@ from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S  # process-group timeout (s) for rendezvous and collectives
 from shardwise.runtime.rendezvous import check_backend, init_from_env, one_line
 
-__all__ = ["RankFailure", "launch_local"]
+__all__ = ["RankFailure", "launch_local", "on_peer_failure"]
 
 _GRACE_S = 2.0  # after the first failure, time (s) for the other ranks to report and exit on their own
 _VERDICT_WAIT_S = 2.0  # a rank whose collective failed waits this long (s) to learn which peer failed
 _TERM_WAIT_S = 3.0  # time (s) between SIGTERM and SIGKILL when stopping a rank
-_WATCHDOG_PERIOD_S = 0.5  # how often (s) a rank checks that its launcher is still alive
+_WATCHDOG_PERIOD_S = 0.5  # how often (s) a rank checks that its launcher is still alive and sends a heartbeat
+FROZEN_S = 15.0  # a rank that sent no heartbeat for this long (s) is frozen (SIGSTOP, starved): the run fails
+_FIRST_BEAT_S = 60.0  # time (s) a starting rank may take (imports) before its first heartbeat
 
 
 class RankFailure(ShardwiseError):
@@ -69,6 +71,14 @@ class RankFailure(ShardwiseError):
 
 
 _exit_lock = threading.Lock()  # one report leaves a rank: the main thread's or the watchdog's
+_peer_failure_hooks: list[Callable[[str], None]] = []
+_HOOK_FLUSH_S = 1.0  # time (s) a rank's hooks get to tell their clients before it exits
+
+
+def on_peer_failure(hook: Callable[[str], None]) -> None:
+    """Inside a launched rank: call ``hook(reason)`` when the launcher says another rank failed,
+    before this rank exits (a server fails its in-flight requests there)."""
+    _peer_failure_hooks.append(hook)
 
 
 def _name_process(rank: int) -> None:
@@ -95,8 +105,15 @@ def _report_and_exit(conn: Connection, message: tuple, stderr_text: str) -> None
 
 
 def _watch_launcher(rank: int, parent_pid: int, ctl: Connection, conn: Connection) -> None:
-    """Exit this rank when the launcher is gone, or when it says another rank failed."""
+    """Exit this rank when the launcher is gone, or when it says another rank failed; send the
+    launcher a heartbeat every ``_WATCHDOG_PERIOD_S`` (a frozen process sends none, a rank blocked
+    in a collective keeps sending them, so the launcher can tell which rank stopped)."""
     while True:
+        with _exit_lock:
+            try:
+                conn.send(("beat",))
+            except (OSError, ValueError):
+                os._exit(1)
         try:
             ready = ctl.poll(_WATCHDOG_PERIOD_S)
             verdict = ctl.recv() if ready else None
@@ -106,6 +123,13 @@ def _watch_launcher(rank: int, parent_pid: int, ctl: Connection, conn: Connectio
             os._exit(1)
         if verdict is not None:
             text = verdict[1]
+            for hook in _peer_failure_hooks:
+                try:
+                    hook(text)
+                except Exception:  # noqa: BLE001 - the rank exits with the verdict whatever a hook does
+                    pass
+            if _peer_failure_hooks:
+                time.sleep(_HOOK_FLUSH_S)
             _report_and_exit(conn, ("error", "lost", text), f"[shardwise rank {rank}] stopping: {text}\n")
 
 
@@ -200,6 +224,8 @@ class _Supervisor:
         self.reported: dict[int, tuple[str, str]] = {}  # rank -> (kind, one-line text)
         self.exited: dict[int, int] = {}
         self.failed_at: dict[int, float] = {}  # rank -> time.monotonic() of detection
+        start = time.monotonic() + _FIRST_BEAT_S - FROZEN_S
+        self.last_beat = [start] * len(procs)  # rank -> time.monotonic() of its last heartbeat
 
     def _drain(self, rank: int) -> None:
         conn = self.open.get(rank)
@@ -210,7 +236,9 @@ class _Supervisor:
                 conn.close()
                 del self.open[rank]
                 return
-            if msg[0] == "ok":
+            if msg[0] == "beat":
+                self.last_beat[rank] = time.monotonic()
+            elif msg[0] == "ok":
                 self.results[rank], self.returned[rank] = msg[1], True
             else:
                 self.reported[rank] = (msg[1], msg[2])
@@ -223,11 +251,12 @@ class _Supervisor:
             limits = [] if deadline is None else [deadline]
             if self.failed_at:
                 limits.append(min(self.failed_at.values()) + _GRACE_S)
-            timeout = None
+            timeout = _WATCHDOG_PERIOD_S
             if limits:
-                timeout = min(limits) - time.monotonic()
+                timeout = min(timeout, min(limits) - time.monotonic())
                 if timeout <= 0:
                     return False
+            self._check_heartbeats()
             waitables: dict[Any, tuple[str, int]] = {c: ("pipe", r) for r, c in self.open.items()}
             for r, proc in enumerate(self.procs):
                 if r not in self.exited:
@@ -244,6 +273,16 @@ class _Supervisor:
             if self.failed_at and not self.announced:
                 self._announce()
         return not self.failed_at
+
+    def _check_heartbeats(self) -> None:
+        """Fail a live rank whose heartbeats stopped for ``FROZEN_S`` (its own failure: it is named first)."""
+        now = time.monotonic()
+        for r, proc in enumerate(self.procs):
+            silent = now - self.last_beat[r]
+            if r not in self.exited and r not in self.failed_at and silent > FROZEN_S and proc.is_alive():
+                self.reported[r] = ("own", f"stopped making progress: no heartbeat for {silent:.0f} s "
+                                           "(frozen, e.g. SIGSTOP, or starved of CPU)")
+                self.failed_at[r] = now
 
     def _announce(self) -> None:
         """Tell every rank still running which rank failed first (they report it and exit)."""
@@ -322,6 +361,7 @@ def launch_local(
     master_port: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     run_timeout_s: float | None = None,
+    forward_signals: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes; return their results.
 
@@ -380,6 +420,9 @@ def launch_local(
             finally:
                 writer.close()
                 ctl_reader.close()
+        if forward_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: procs[0].is_alive() and os.kill(procs[0].pid, signal.SIGTERM))
         supervisor = _Supervisor(procs, conns, ctls)
         if supervisor.run(run_timeout_s):
             return supervisor.results

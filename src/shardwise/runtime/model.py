@@ -17,6 +17,7 @@ Per layer and token: one all-reduce after attention and one after the MLP / MoE 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -201,8 +202,14 @@ class DecoderLayer(nn.Module):
         self.reduce_attn = allreduce
         self.reduce_mlp = allreduce
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = x + self.reduce_attn(self.self_attn(self.input_layernorm(x), positions, rope).contiguous())
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        slots: list[int] | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] at ``positions`` [T], or with ``slots`` (``ShardedCausalLM.supports_slots``
+        models only) at ``positions`` [B, T] in those cache slots."""
+        per_row = () if slots is None else (slots,)
+        h = x + self.reduce_attn(self.self_attn(self.input_layernorm(x), positions, rope, *per_row).contiguous())
         return h + self.reduce_mlp(self.mlp(self.post_attention_layernorm(h)).contiguous())
 
 
@@ -210,9 +217,19 @@ class ShardedCausalLM(nn.Module):
     """One rank's shard of a causal LM.
 
     ``forward(ids, start)`` runs tokens ``ids [B, T]`` at positions ``start..start+T-1``
-    through the model, writing the static KV cache, and returns the final hidden states;
-    ``lm_head.greedy`` / ``lm_head.logits`` turn them into tokens or full-vocabulary logits.
-    Parameters are allocated empty: fill them with ``loader.load_shard``.
+    through the model, writing the static KV cache (rows 0..B-1), and returns the final hidden
+    states [B, T, hidden]; ``lm_head.greedy`` / ``lm_head.logits`` turn them into tokens or
+    full-vocabulary logits. Parameters are allocated empty: fill them with ``loader.load_shard``.
+
+    ``forward(ids, start, slots)`` (continuous batching) runs B sequences at once, each in its
+    own cache slot (``slots[i]``, one of the ``max_batch`` built: ``0..max_batch-1``) at its own
+    positions (``start[i]..start[i]+T-1``, ``start`` an int or one per row). Each row's
+    attention runs alone, as a one-row call would; under ``exact.row_blocked()`` the
+    projections and experts are row-invariant too, so row i is bit-identical to
+    ``forward(ids[i:i+1], start[i], [slots[i]])`` and a sequence decodes to the same bits
+    whichever others share its steps. A slot restarted at position 0 reads nothing of what it
+    held before. Models with linear-attention layers (``supports_slots`` False) keep one
+    recurrent state and take ``slots=[0]`` only.
 
     Full-attention caches hold ``max_seq_len`` positions. Sliding-window layers hold a ring
     of ``min(max_seq_len, window + max_step_tokens - 1)`` positions, where
@@ -238,7 +255,7 @@ class ShardedCausalLM(nn.Module):
             raise ShardwiseError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
         dtype = torch_dtype(dtype)
         self.spec, self.plan, self.dtype, self.max_seq_len = spec, plan, dtype, max_seq_len
-        self.max_step_tokens = max_step_tokens
+        self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
         shard = self.shard = Shard(plan, rank)
         dt = _Dtyped(spec, dtype)
         glob = {t.group: t for t in spec.globals if t.group in (EMBEDDING, LM_HEAD)}
@@ -255,22 +272,75 @@ class ShardedCausalLM(nn.Module):
         rope_dim = spec.mla.qk_rope_head_dim if spec.mla is not None else rotary_dim(spec)  # partial rotary
         self.rotary = RotaryEmbedding(rope_parameters(spec.config), rope_dim, max_seq_len, spec.max_position_embeddings)
 
-    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    @property
+    def supports_slots(self) -> bool:
+        """Whether ``forward`` takes any batch of cache slots (False: linear-attention layers, whose
+        one recurrent state per sequence limits the model to ``slots=[0]``, one sequence at a time)."""
+        return all(isinstance(layer.self_attn, (GQAttention, MLAttention)) for layer in self.model.layers)
+
+    def forward(
+        self, ids: torch.Tensor, start: int | Sequence[int] = 0, slots: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Hidden states [B, T, hidden] of tokens ``ids`` [B, T]; see the class docstring for
+        ``start`` (first position, counted in tokens from 0) and ``slots``."""
         n = ids.shape[1]
+        if slots is not None:
+            slots, starts = self._check_slots(ids, start, slots)
+            if self.supports_slots:
+                positions = torch.tensor(starts)[:, None] + torch.arange(n)  # [B, T]
+                cos, sin = self.rotary(positions, self.dtype)
+                return self._run(ids, positions, (cos.unsqueeze(1), sin.unsqueeze(1)), slots)
+            start = starts[0]  # slots=[0] with one row: the one-sequence path
+        if isinstance(start, Sequence):
+            raise ShardwiseError("a start per row needs slots: pass the cache slot of each row")
         if start + n > self.max_seq_len:
             raise ShardwiseError(
                 f"sequence of {start + n} tokens exceeds the KV cache of {self.max_seq_len}: raise max_seq_len"
             )
         positions = torch.arange(start, start + n)
-        rope = self.rotary(positions, self.dtype)
+        return self._run(ids, positions, self.rotary(positions, self.dtype), None)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+             slots: list[int] | None) -> torch.Tensor:
+        """Embedding, the layers and the final norm of ``ids`` at ``positions`` (in ``slots``)."""
         h = self.model.embed_tokens(ids)
         for layer in self.model.layers:
-            h = layer(h, positions, rope)
+            h = layer(h, positions, rope, slots)
         return self.model.norm(h)
 
-    def logits(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Full-vocabulary logits [B, T, vocab] for ``ids`` at ``start`` (every rank gets them)."""
-        return self.lm_head.logits(self(ids, start))
+    def _check_slots(
+        self, ids: torch.Tensor, start: int | Sequence[int], slots: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
+        """(slots, each row's first position) as ints; a one-line ShardwiseError for a bad slot or start."""
+        b, n = ids.shape
+        slots = [int(s) for s in slots]
+        starts = [int(p) for p in start] if isinstance(start, Sequence) else [int(start)] * b
+        if len(slots) != b or len(starts) != b:
+            raise ShardwiseError(
+                f"{b} rows need one slot and one start each: got {len(slots)} slots and {len(starts)} starts"
+            )
+        if not self.supports_slots and slots != [0]:
+            raise ShardwiseError(
+                f"{self.spec.name} takes one sequence at a time (max batch 1, slots=[0]): its linear-attention "
+                "layers keep one state per sequence"
+            )
+        for i, (slot, first) in enumerate(zip(slots, starts)):
+            if not 0 <= slot < self.max_batch:
+                raise ShardwiseError(f"slot {slot} is out of range: the model holds cache slots 0..{self.max_batch - 1}")
+            if slots.count(slot) > 1:
+                raise ShardwiseError(f"slot {slot} appears more than once in slots: each row needs its own cache slot")
+            if first < 0 or first + n > self.max_seq_len:
+                raise ShardwiseError(
+                    f"row {i} (slot {slot}) covers positions {first}..{first + n - 1}, outside the KV cache's "
+                    f"0..{self.max_seq_len - 1}: raise max_seq_len"
+                )
+        return slots, starts
+
+    def logits(
+        self, ids: torch.Tensor, start: int | Sequence[int] = 0, slots: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Full-vocabulary logits [B, T, vocab] for ``ids`` at ``start`` (in ``slots``; every rank gets them)."""
+        return self.lm_head.logits(self(ids, start, slots))
 
     def check_step_tokens(self, n: int) -> None:
         """Raise a one-line ShardwiseError unless passes of ``n`` positions may be rolled back

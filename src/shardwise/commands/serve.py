@@ -1,0 +1,122 @@
+"""`shardwise serve [CHECKPOINT] --tp N`: the sharded model behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from shardwise.errors import ShardwiseError
+
+SERVE_TIMEOUT_S = 30.0
+"""Default seconds one collective may block before the server fails (a frozen rank is noticed
+within this; rank 0 sends a heartbeat every second while idle so an idle server never waits that long)."""
+
+MAX_SLOTS = 256
+"""Most KV-cache slots (--max-batch) one server holds."""
+
+
+def _check_port(host: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise ShardwiseError(f"--port must be in 1..65535, got {port}")
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as exc:
+        raise ShardwiseError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port or --host") from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `serve` verb."""
+
+    @app.command("serve")
+    def serve_command(
+        checkpoint: Annotated[Optional[Path], typer.Argument(help="HF safetensors checkpoint folder (default: the cached tiny qwen3_moe)")] = None,
+        tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel ranks (default 2; the world size under torchrun)")] = None,
+        ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel degree (default: experts over all TP ranks)")] = None,
+        host: Annotated[str, typer.Option("--host", help="address to listen on (loopback unless you say otherwise)")] = "127.0.0.1",
+        port: Annotated[int, typer.Option("--port", help="TCP port of the HTTP API")] = 8000,
+        max_batch: Annotated[int, typer.Option("--max-batch", help="sequences decoded together (KV-cache slots)")] = 8,
+        max_model_len: Annotated[int, typer.Option("--max-model-len", help="tokens per sequence (prompt + generated), the size of each slot")] = 2048,
+        prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="prompt tokens read per step between decode steps")] = 128,
+        dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
+        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot or two-level")] = "builtin",
+        backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU)")] = "gloo",
+        served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="model id clients send (default: the checkpoint folder's name)")] = None,
+        timeout: Annotated[float, typer.Option("--timeout", help="seconds one collective may block before the server fails")] = SERVE_TIMEOUT_S,
+        spec_method: Annotated[Optional[str], typer.Option("--spec", help="speculative decoding for a greedy request decoding alone: ngram (prompt lookup)")] = None,
+        spec_tokens: Annotated[int, typer.Option("--spec-tokens", help="tokens drafted per verify pass (k)")] = 4,
+        ngram_min: Annotated[int, typer.Option("--ngram-min", help="shortest n-gram prompt lookup matches")] = 1,
+        ngram_max: Annotated[int, typer.Option("--ngram-max", help="longest n-gram prompt lookup matches (tried first)")] = 3,
+    ) -> None:
+        """Serve the model split over --tp local processes (or a torchrun group) on an OpenAI-compatible API."""
+        from shardwise.plan import ParallelPlan, default_ep
+        from shardwise.runtime.checkpoint import default_checkpoint
+        from shardwise.runtime.comm import get_allreduce
+        from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec
+        from shardwise.runtime.model import check_runnable, torch_dtype
+        from shardwise.runtime.rendezvous import check_backend
+        from shardwise.serve.rank import ServeRequest, one_sequence_at_a_time, serve_rank
+        from shardwise.serve.text import ServeTokenizer
+
+        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+        folder = checkpoint if checkpoint is not None else default_checkpoint()
+        spec = load_spec(folder)
+        tp = tp if tp is not None else (world or 2)
+        if world is not None and tp != world:
+            raise ShardwiseError(f"--tp {tp} must equal the torchrun world size {world}")
+        ep = ep if ep is not None else default_ep(spec, tp)
+        check_runnable(spec, ParallelPlan(tp=tp, ep=ep))
+        if not 1 <= max_batch <= MAX_SLOTS:
+            raise ShardwiseError(f"--max-batch must be in 1..{MAX_SLOTS}, got {max_batch}")
+        if max_batch > 1 and one_sequence_at_a_time(spec):
+            raise ShardwiseError(f"{spec.name}'s linear-attention layers keep one state per sequence and the runtime "
+                                 "runs them one sequence at a time: use --max-batch 1")
+        if not 2 <= max_model_len <= spec.max_position_embeddings:
+            raise ShardwiseError(f"--max-model-len must be in 2..{spec.max_position_embeddings} (the model's "
+                                 f"max_position_embeddings), got {max_model_len}")
+        if prefill_chunk < 1:
+            raise ShardwiseError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+        if not timeout > 0:
+            raise ShardwiseError(f"--timeout must be > 0 seconds, got {timeout:g}")
+        if spec_method is not None:
+            from shardwise.runtime.speculative import SpecParams
+
+            if spec_method == "draft":
+                raise ShardwiseError("serve drafts by prompt lookup only (--spec ngram): a draft model would need "
+                                     "a cache per slot of its own; `shardwise run --spec draft` runs one")
+            SpecParams(spec_method, spec_tokens, ngram_min, ngram_max)
+        torch_dtype(dtype)
+        get_allreduce(allreduce)
+        check_backend(backend)
+        with Checkpoint(folder) as ckpt:
+            check_checkpoint(spec, ckpt)
+        ServeTokenizer(folder)  # a missing or broken tokenizer fails here, before any rank starts
+        request = ServeRequest(
+            checkpoint=str(folder), model_name=served_model_name or Path(folder).resolve().name, tp=tp, ep=ep,
+            dtype=dtype, host=host, port=port, max_batch=max_batch, max_model_len=max_model_len,
+            prefill_chunk=prefill_chunk, allreduce=allreduce, backend=backend,
+            spec_tokens=spec_tokens if spec_method is not None else 0, ngram_min=ngram_min, ngram_max=ngram_max,
+        )
+        if torchrun:
+            import torch.distributed as dist
+
+            from shardwise.runtime.rendezvous import init_from_env
+
+            rank, world_size = init_from_env(backend, timeout_s=timeout)
+            if rank == 0:
+                _check_port(host, port)
+            serve_rank(rank, world_size, request)
+            dist.destroy_process_group()
+            return
+        from shardwise.runtime.launch import launch_local
+
+        _check_port(host, port)
+        launch_local(serve_rank, tp, args=(request,), backend=backend, timeout_s=timeout, forward_signals=True)
+        typer.echo("[shardwise serve] stopped", err=True)
