@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from conftest import cli_json
 from serve_process import ServeProcess, http
 
 openai = pytest.importorskip("openai")
@@ -29,9 +30,7 @@ MAX_LEN = 256
 def server(tmp_path_factory):
     with ServeProcess("--tp", "2", "--max-batch", "16", "--max-model-len", str(MAX_LEN), "--spec", "ngram",
                       log_dir=tmp_path_factory.mktemp("serve")) as srv:
-        yield srv
-        assert srv.stop(signal.SIGTERM) == 0, srv.stderr()
-        assert srv.leftovers() == []
+        yield srv  # test_sigterm_drains_in_flight_then_exits_zero, the file's last test, stops it
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +75,9 @@ def test_completions_text_and_token_ids(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=ids, max_tokens=10, temperature=0, stream=True))
     assert streamed == a.choices[0].text
+    full = client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True})  # vLLM's extension, for benchmarks
+    assert full.usage.completion_tokens == 30 and full.choices[0].finish_reason == "length"
 
 
 def test_stop_string_is_cut_and_not_emitted(client):
@@ -110,6 +112,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
 ]
 
 
@@ -181,7 +184,8 @@ def test_200_requests_at_16_exact_under_load(server, client):
 def test_disconnected_stream_frees_its_slot(server):
     cancelled = metric(server, "shardwise_requests_total", '{endpoint="text",outcome="cancelled"}')
     aclient = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-    stream = aclient.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=200, temperature=0, stream=True)
+    stream = aclient.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=200, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
     for _, _ in zip(range(3), stream):
         pass
     assert metric(server, "shardwise_kv_slots_in_use") == 1
@@ -203,7 +207,7 @@ def _stream_in_background(base_url: str, max_tokens: int) -> tuple[threading.Thr
         c = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=90)
         try:
             chunks = list(c.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=max_tokens,
-                                               temperature=0, stream=True))
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True}))
             out["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
         except openai.APIError as exc:
             out["error"] = str(exc)
@@ -218,21 +222,6 @@ def _wait_until_slot_taken(server) -> None:
     while metric(server, "shardwise_kv_slots_in_use") < 1:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-
-
-def test_sigterm_drains_in_flight_then_exits_zero(tmp_path):
-    with ServeProcess("--tp", "2", "--max-model-len", "256", log_dir=tmp_path) as srv:
-        thread, out = _stream_in_background(srv.base_url, 120)
-        _wait_until_slot_taken(srv)
-        srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        assert http(srv.url + "/health")[0] == 503
-        code, raw = http(srv.base_url + "/completions", {"model": MODEL, "prompt": [1], "max_tokens": 2})
-        assert code == 503 and "shutting down" in json.loads(raw)["error"]["message"]
-        assert srv.wait(30) == 0, srv.stderr()
-        thread.join(10)
-        assert out == {"finish": "length"}
-        assert srv.leftovers() == []
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
@@ -260,3 +249,36 @@ def test_failed_rank_errors_requests_and_exits_nonzero(tmp_path, fault):
         if fault == "freeze":
             assert "no heartbeat" in srv.stderr()
         assert srv.leftovers() == []
+
+
+def test_bench_url_measures_this_server(server):
+    """`shardwise bench --url` (llama-benchy style points) against shardwise's own server: exact prompt
+    lengths from the streamed usage, every point measured, the plan's batch-1 figure beside it."""
+    doc = cli_json("bench", "--url", server.base_url, "--pp", "24", "--tg", "6", "--depth", "0,24",
+                   "--concurrency", "1,4", "--runs", "1", "--plan-model", "qwen3-30b-a3b", "--box", "dgx-spark",
+                   "--boxes", "1", "--timeout", "60")
+    assert doc["model"] == MODEL and doc["server"]["stream_usage"] is True and doc["prompt_tokens_exact"] is True
+    assert [(p["test"], p["concurrency"]) for p in doc["points"]] == [
+        ("pp24 / tg6", 1), ("pp24 / tg6", 4), ("pp24 / tg6 @ d24", 1), ("pp24 / tg6 @ d24", 4)]
+    for p in doc["points"]:
+        assert p["prompt_tokens"]["min"] == p["prompt_tokens"]["max"] == p["depth"] + 24
+        assert p["requests"] == p["concurrency"] and p["decode_tok_per_s"] > 0
+        assert 0 < p["ttft_s"]["p50"] <= p["ttft_s"]["p99"] < 60
+        assert p["prediction"]["decode_tok_per_s"] > 0
+
+
+def test_sigterm_drains_in_flight_then_exits_zero(server):
+    """The module's server, last: SIGTERM lets the stream in flight finish, refuses new requests with
+    503 meanwhile, then every process exits (the launcher with 0)."""
+    srv = server
+    thread, out = _stream_in_background(srv.base_url, 200)
+    _wait_until_slot_taken(srv)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert http(srv.url + "/health")[0] == 503
+    code, raw = http(srv.base_url + "/completions", {"model": MODEL, "prompt": [1], "max_tokens": 2})
+    assert code == 503 and "shutting down" in json.loads(raw)["error"]["message"]
+    assert srv.wait(30) == 0, srv.stderr()
+    thread.join(10)
+    assert out == {"finish": "length"}
+    assert srv.leftovers() == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,6 +15,9 @@ from shardwise.errors import ShardwiseError
 SERVE_TIMEOUT_S = 30.0
 """Default seconds one collective may block before the server fails (a frozen rank is noticed
 within this; rank 0 sends a heartbeat every second while idle so an idle server never waits that long)."""
+
+DEFAULT_SLOTS = 8
+"""KV-cache slots (--max-batch) when not given."""
 
 MAX_SLOTS = 256
 """Most KV-cache slots (--max-batch) one server holds."""
@@ -41,7 +45,7 @@ def register(app: typer.Typer) -> None:
         ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel degree (default: experts over all TP ranks)")] = None,
         host: Annotated[str, typer.Option("--host", help="address to listen on (loopback unless you say otherwise)")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="TCP port of the HTTP API")] = 8000,
-        max_batch: Annotated[int, typer.Option("--max-batch", help="sequences decoded together (KV-cache slots)")] = 8,
+        max_batch: Annotated[Optional[int], typer.Option("--max-batch", help="sequences decoded together (KV-cache slots; default 8, 1 for linear-attention models)")] = None,
         max_model_len: Annotated[int, typer.Option("--max-model-len", help="tokens per sequence (prompt + generated), the size of each slot")] = 2048,
         prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="prompt tokens read per step between decode steps")] = 128,
         dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
@@ -73,6 +77,8 @@ def register(app: typer.Typer) -> None:
             raise ShardwiseError(f"--tp {tp} must equal the torchrun world size {world}")
         ep = ep if ep is not None else default_ep(spec, tp)
         check_runnable(spec, ParallelPlan(tp=tp, ep=ep))
+        if max_batch is None:
+            max_batch = 1 if one_sequence_at_a_time(spec) else DEFAULT_SLOTS
         if not 1 <= max_batch <= MAX_SLOTS:
             raise ShardwiseError(f"--max-batch must be in 1..{MAX_SLOTS}, got {max_batch}")
         if max_batch > 1 and one_sequence_at_a_time(spec):
@@ -112,6 +118,8 @@ def register(app: typer.Typer) -> None:
             rank, world_size = init_from_env(backend, timeout_s=timeout)
             if rank == 0:
                 _check_port(host, port)
+            else:  # torchrun signals every worker; rank 0 drains the group and tells the others to stop
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             serve_rank(rank, world_size, request)
             dist.destroy_process_group()
             return

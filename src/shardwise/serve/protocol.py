@@ -59,6 +59,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
     id: str = ""
     created: int = 0
 
@@ -141,7 +142,11 @@ def _common(body: Any, limits: Limits) -> dict[str, Any]:
     if not isinstance(options, dict) or options.get("include_usage", False) not in (True, False, None):
         raise RequestError("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
     seed = _integer(body, "seed")
+    ignore_eos = body.get("ignore_eos", False)
+    if ignore_eos not in (True, False, None):
+        raise RequestError(f"'ignore_eos' must be true or false, got {ignore_eos!r}", "ignore_eos")
     return {
+        "ignore_eos": bool(ignore_eos),
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
         "seed": seed,

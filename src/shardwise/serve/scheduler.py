@@ -205,7 +205,7 @@ class Scheduler:
             self.metrics.token(seq, now)
         seq.first_token_at = seq.first_token_at or now
         seq.last_token_at = now
-        if token in self.eos:
+        if token in self.eos and not seq.req.ignore_eos:
             text, finish = seq.stream.finish(), "stop"
         else:
             text = seq.stream.push(token)

@@ -12,6 +12,7 @@ config's EOS, as Qwen's ``<|im_end|>``; its checkpoints list it in ``generation_
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from shardwise.errors import ShardwiseError
@@ -27,7 +28,9 @@ class ServeTokenizer:
         from transformers import AutoTokenizer
 
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(folder))
+            with warnings.catch_warnings():  # transformers warns about config fields it renamed, e.g. rope_scaling
+                warnings.simplefilter("ignore")
+                self.tok = AutoTokenizer.from_pretrained(str(folder))
         except Exception as exc:  # transformers raises many kinds for broken tokenizer files
             raise ShardwiseError(f"cannot load the tokenizer of '{folder}': {str(exc).splitlines()[0]}") from None
         self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
