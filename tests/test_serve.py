@@ -163,6 +163,9 @@ def test_200_requests_at_16_exact_under_load(server, client):
     prompts[:4] = [[11, 12, 13, 14] * 6, [40, 41] * 10, [7, 8, 9] * 5 + [7], [300, 301, 302, 303, 304] * 3]
     jobs = [{"prompt": p, "max_tokens": 4 + i % 13, "temperature": 0} for i, p in enumerate(prompts)]
     jobs += [{"prompt": p, "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": i} for i, p in enumerate(prompts[:5])]
+    # prompts longer than the 128-token prefill chunk: read in two chunks between the others' decode steps
+    jobs += [{"prompt": [(5 * j + i) % 500 + 5 for j in range(n)], "max_tokens": 6, "temperature": 0}
+             for i, n in enumerate((150, 230))]
     accepted = metric(server, "shardwise_spec_accepted_tokens_total")
     solo = asyncio.run(_load(server.base_url, jobs, 1))
     assert metric(server, "shardwise_spec_accepted_tokens_total") > accepted  # the repetitive prompts' drafts hit
