@@ -106,6 +106,7 @@ class Engine:
                 self._gauges()
                 now = time.monotonic()
                 if plan is None:
+                    self.metrics.batch.set(0)
                     if self.world_size > 1 and now - last_sent >= HEARTBEAT_S:
                         self.step_started = now
                         exchange({"op": "idle"}, self.world_size)

@@ -30,7 +30,7 @@ from shardwise.serve.text import TextStream
 
 @dataclass(eq=False)
 class Seq:
-    """One request in flight. ``sink(event)`` receives ``("delta", text, tokens)``, ``("done", finish,
+    """One request in flight. ``sink(event)`` receives ``("delta", text)``, ``("done", finish,
     usage)`` or ``("error", status, message)`` on the engine's thread."""
 
     req: GenRequest
