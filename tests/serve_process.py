@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,6 +79,12 @@ class ServeProcess:
     def stderr(self) -> str:
         self.err.flush()
         return Path(self.err.name).read_text()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The value of one series of ``/metrics`` (0 when absent)."""
+        text = http(self.url + "/metrics")[1].decode()
+        match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
 
     def rank_pid(self, rank: int) -> int:
         """PID of the rank process (the launcher names them ``shardwise-rR``)."""

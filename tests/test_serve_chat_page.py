@@ -9,18 +9,14 @@ is skipped only when either is missing.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_argv, cli_env
+from serve_process import ServeProcess
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
@@ -37,47 +33,12 @@ DONE = """n => document.querySelectorAll('.msg.assistant').length === n
           && !document.querySelector('.msg.streaming') && document.getElementById('stop').disabled"""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return resp.status, resp.read().decode()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("chat") / "serve.err"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cli_argv("serve", "--tp", "2", "--port", str(port), "--max-model-len", "512"),
-                                stdout=subprocess.DEVNULL, stderr=err, env=cli_env(), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_S
-        while True:
-            assert proc.poll() is None, f"serve exited {proc.returncode}: {log.read_text()}"
-            assert time.monotonic() < deadline, f"serve not ready in {READY_S} s: {log.read_text()}"
-            try:
-                if _get(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
-        yield url
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"serve did not exit within 30 s of SIGTERM: {log.read_text()}")
-        assert code == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """The server; SIGTERM at the end must stop it cleanly within 30 s."""
+    with ServeProcess("--tp", "2", "--max-model-len", "512", log_dir=tmp_path_factory.mktemp("chat")) as srv:
+        yield srv
+        assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.stderr()
 
 
 @pytest.fixture(scope="module")
@@ -96,19 +57,13 @@ def page(browser, server):
     pg.set_default_timeout(TIMEOUT_MS)
     pg.requests = []
     pg.on("request", lambda r: pg.requests.append(r))
-    pg.goto(server + "/")
+    pg.goto(server.url + "/")
     pg.wait_for_function("m => document.getElementById('model').textContent === m", arg=MODEL)
     yield pg
     context.close()
 
 
-def metric(url: str, name: str) -> float:
-    text = _get(url + "/metrics")[1]
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
-CANCELLED = 'shardwise_requests_total{endpoint="chat",outcome="cancelled"}'
+CANCELLED = ('shardwise_requests_total', '{endpoint="chat",outcome="cancelled"}')
 
 
 def ask(page, text: str, max_tokens: int | None = None, temperature: float | None = 0, enter: bool = False) -> None:
@@ -143,14 +98,14 @@ def test_streams_a_reply_with_its_rate(page, server):
     assert re.search(r"\b32 tokens · [\d.]+ tok/s · TTFT \d+ ms · prompt \d+ tokens · finish: length$", status), status
     assert float(re.search(r"([\d.]+) tok/s", status).group(1)) > 0
     assert not page.locator(".msg.error").count()
-    origin = server + "/"
+    origin = server.url + "/"
     outside = [r.url for r in page.requests if not r.url.startswith(origin)]
     assert outside == [], outside
     assert {r.url for r in page.requests} >= {origin, origin + "v1/models", origin + "v1/chat/completions"}
 
 
 def test_stop_frees_the_slot(page, server):
-    cancelled = metric(server, CANCELLED)
+    cancelled = server.metric(*CANCELLED)
     ask(page, "Hello there", max_tokens=400)  # greedy: 400 tokens, no early end of sequence
     page.wait_for_function("() => document.querySelector('.msg.assistant').textContent.length > 0")
     assert page.is_enabled("#stop") and page.is_disabled("#send")
@@ -160,8 +115,8 @@ def test_stop_frees_the_slot(page, server):
     stopped_at = bubbles(page, "assistant")[0]
     assert stopped_at and stopped_at != "(stopped)"
     deadline = time.monotonic() + 5
-    while not (metric(server, "shardwise_kv_slots_in_use") == 0.0 and metric(server, CANCELLED) > cancelled):
-        assert time.monotonic() < deadline, (metric(server, "shardwise_kv_slots_in_use"), metric(server, CANCELLED))
+    while not (server.metric("shardwise_kv_slots_in_use") == 0.0 and server.metric(*CANCELLED) > cancelled):
+        assert time.monotonic() < deadline, (server.metric("shardwise_kv_slots_in_use"), server.metric(*CANCELLED))
         time.sleep(0.1)
     time.sleep(0.5)
     assert bubbles(page, "assistant")[0] == stopped_at  # nothing arrived after Stop
