@@ -129,10 +129,11 @@ class Router(nn.Module):
 
 
 def _dispatch(index: torch.Tensor, experts: range):
-    """For each local expert any token picked: (expert, token rows, top-k slots)."""
-    for e in experts:
-        token, slot = torch.where(index == e)
-        if token.numel():
+    """For each local expert any token picked, in ascending expert order: (expert, token rows, top-k
+    slots). Only the experts the tokens picked are visited (a decode step's top-k, not all local ones)."""
+    for e in torch.unique(index).tolist():
+        if e in experts:
+            token, slot = torch.where(index == e)
             yield e, token, slot
 
 
