@@ -31,15 +31,17 @@ def test_long_prompt_is_read_in_chunks_between_decode_steps():
     a, b = _seq([5, 6], max_tokens=50), _seq(list(range(10, 20)), max_tokens=3)
     sched.add(a)
     plan = sched.next_step()
-    assert plan.message["prefill"] == {"slot": 0, "start": 0, "ids": [5, 6], "last": True} and not plan.message["decode"]
+    assert plan.message["prefill"] == {"slots": [0], "starts": [0], "ids": [[5, 6]], "last": [True]}
+    assert not plan.message["decode"]
     _run(sched, plan, [40])
     sched.add(b)
     starts = []
     for _ in range(3):  # b's 10 prompt tokens in chunks of 4, 4, 2; a decodes in every one of those steps
         plan = sched.next_step()
         assert plan.message["decode"]["slots"] == [0] and plan.message["decode"]["tokens"] == [a.generated[-1]]
-        starts.append((plan.message["prefill"]["start"], len(plan.message["prefill"]["ids"])))
-        _run(sched, plan, [41] + ([42] if plan.message["prefill"]["last"] else []))
+        prefill = plan.message["prefill"]
+        starts.append((prefill["starts"][0], len(prefill["ids"][0])))
+        _run(sched, plan, [41] + ([42] if prefill["last"][0] else []))
     assert starts == [(0, 4), (4, 4), (8, 2)]
     assert a.generated == [40, 41, 41, 41] and b.generated == [42] and b.slot == 1
     plan = sched.next_step()  # both decode now, each at its own position
@@ -58,7 +60,20 @@ def test_slots_are_held_until_finish_and_queue_waits():
     _run(sched, sched.next_step(), [51])  # a reaches max_tokens: finished, slot 0 free again
     assert a.finish == "length" and events[-1][0] == "done" and events[-1][2]["completion_tokens"] == 2
     plan = sched.next_step()
-    assert plan.message["prefill"]["slot"] == 0 and plan.rows == [b]
+    assert plan.message["prefill"]["slots"] == [0] and plan.rows == [b]
+
+
+def test_same_length_chunks_are_read_together_within_the_chunk_budget():
+    sched = Scheduler(slots=4, prefill_chunk=8, eos={EOS})
+    seqs = [_seq([5, 6, 7]), _seq([8, 9, 10]), _seq([11, 12]), _seq([13, 14, 15])]
+    for seq in seqs:
+        sched.add(seq)
+    plan = sched.next_step()  # chunks of 3 tokens: at most 8 // 3 = 2 sequences, oldest first
+    assert plan.message["prefill"] == {"slots": [0, 1], "starts": [0, 0], "ids": [[5, 6, 7], [8, 9, 10]],
+                                       "last": [True, True]}
+    _run(sched, plan, [20, 21])
+    plan = sched.next_step()  # the oldest left has 2 tokens: the 3-token one waits for its own step
+    assert plan.message["prefill"]["ids"] == [[11, 12]] and plan.message["decode"]["slots"] == [0, 1]
 
 
 def test_eos_stops_and_cancel_frees_the_slot_at_once():
@@ -66,8 +81,8 @@ def test_eos_stops_and_cancel_frees_the_slot_at_once():
     a, b = _seq([5], max_tokens=9), _seq([6], max_tokens=9)
     sched.add(a)
     sched.add(b)
-    _run(sched, sched.next_step(), [7])  # a prefilled (b waits for the next chunk step)
-    _run(sched, sched.next_step(), [EOS, 8])  # a stops on EOS, b prefilled
+    _run(sched, sched.next_step(), [7, 8])  # both one-token prompts read in one forward
+    _run(sched, sched.next_step(), [EOS, 8])  # a stops on EOS
     assert a.finish == "stop" and a.slot is None and sched.slots_in_use == 1
     sched.cancel(b)
     assert sched.slots_in_use == 0 and not sched.has_work()

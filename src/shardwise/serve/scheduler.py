@@ -3,9 +3,11 @@
 Every sequence owns one cache slot (``--max-batch`` slots of ``--max-model-len`` positions)
 from admission to finish. Each step is at most two forwards, broadcast to every rank as one
 message (``steps``): **decode** — one new token for every sequence whose prompt is in — and
-**prefill** — the next chunk of ``prefill_chunk`` prompt tokens of the oldest sequence still
-reading its prompt. So a long prompt is read chunk by chunk between decode steps and the
-running streams keep flowing. Chunk boundaries sit at multiples of ``prefill_chunk`` from
+**prefill** — the next chunk (up to ``prefill_chunk`` prompt tokens) of the oldest sequence still
+reading its prompt, together with the next chunks of the sequences behind it whose chunks have
+the same length, up to ``prefill_chunk`` tokens in all (a forward's rows share one length). So a
+long prompt is read chunk by chunk between decode steps and the running streams keep flowing,
+and a burst of short prompts is read a few at a time. Chunk boundaries sit at multiples of ``prefill_chunk`` from
 position 0 whatever else runs, and every row is computed batch-invariantly (``exact.row_blocked``
 and per-row attention), so a greedy sequence gets the tokens it gets when served alone.
 
@@ -63,7 +65,7 @@ class StepPlan:
 
     message: dict[str, Any]
     rows: list[Seq]
-    prefill_seq: Seq | None
+    prefill_seqs: list[Seq]
 
 
 class Scheduler:
@@ -138,20 +140,32 @@ class Scheduler:
             if drafts:
                 message["decode"]["drafts"] = drafts
                 message["greedy"], message["sample"] = list(range(len(drafts) + 1)), []
-                return StepPlan(message, rows, None)
-        prefill_seq = self.prefilling[0] if self.prefilling else None
-        if prefill_seq is not None:
-            prompt, start = prefill_seq.req.prompt_ids, prefill_seq.prefilled
-            ids = prompt[start:start + self.prefill_chunk]
-            last = start + len(ids) == len(prompt)
-            message["prefill"] = {"slot": prefill_seq.slot, "start": start, "ids": ids, "last": last}
-            if last:
-                rows.append(prefill_seq)
-        if not rows and prefill_seq is None:
+                return StepPlan(message, rows, [])
+        group = self._prefill_group()
+        if group:
+            chunks = [self._chunk(seq) for seq in group]
+            lasts = [seq.prefilled + len(ids) == len(seq.req.prompt_ids) for seq, ids in zip(group, chunks)]
+            message["prefill"] = {"slots": [s.slot for s in group], "starts": [s.prefilled for s in group],
+                                  "ids": chunks, "last": lasts}
+            rows += [seq for seq, last in zip(group, lasts) if last]
+        if not rows and not group:
             return None
         message["greedy"] = [i for i, s in enumerate(rows) if s.generator is None]
         message["sample"] = [i for i, s in enumerate(rows) if s.generator is not None]
-        return StepPlan(message, rows, prefill_seq)
+        return StepPlan(message, rows, group)
+
+    def _chunk(self, seq: Seq) -> list[int]:
+        """The next prompt chunk of ``seq``: boundaries at multiples of ``prefill_chunk`` from 0."""
+        return seq.req.prompt_ids[seq.prefilled:seq.prefilled + self.prefill_chunk]
+
+    def _prefill_group(self) -> list[Seq]:
+        """The oldest prefilling sequence and those behind it whose next chunk has its length, up to
+        ``prefill_chunk`` tokens in all."""
+        if not self.prefilling:
+            return []
+        n = len(self._chunk(self.prefilling[0]))
+        group = [seq for seq in self.prefilling if len(self._chunk(seq)) == n]
+        return group[: max(1, self.prefill_chunk // n)]
 
     def _drafts(self, rows: list[Seq]) -> list[int]:
         """Prompt-lookup drafts for a greedy sequence decoding alone (none otherwise)."""
@@ -167,12 +181,13 @@ class Scheduler:
         if drafts:
             self._verify(plan.rows[0], drafts, [int(t) for t in greedy])
             return
-        if plan.prefill_seq is not None:
-            seq = plan.prefill_seq
-            seq.prefilled += len(plan.message["prefill"]["ids"])
-            if plan.message["prefill"]["last"]:
-                self.prefilling.remove(seq)
-                self.decoding.append(seq)
+        if plan.prefill_seqs:
+            prefill = plan.message["prefill"]
+            for seq, ids, last in zip(plan.prefill_seqs, prefill["ids"], prefill["last"]):
+                seq.prefilled += len(ids)
+                if last and not seq.cancelled:
+                    self.prefilling.remove(seq)
+                    self.decoding.append(seq)
         tokens: dict[int, int] = {}
         for j, i in enumerate(plan.message["greedy"]):
             tokens[i] = int(greedy[j])

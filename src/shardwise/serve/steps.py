@@ -1,12 +1,14 @@
 """What every rank runs per server step, and how rank 0 tells the others.
 
 Rank 0 broadcasts one small message per step (``torch.distributed.broadcast_object_list``):
-``{"op": "step", "decode": {slots, positions, tokens[, drafts]} | None, "prefill": {slot, start, ids, last} |
-None, "greedy": [rows], "sample": [rows], "stats": bool}``; ``{"op": "idle"}`` and a one-element
-all-reduce (``ping``) every ``HEARTBEAT_S`` while nothing runs (so no rank's wait reaches the
-collective timeout unless a peer is gone or frozen, and then every rank notices); ``{"op": "stop"}`` to shut down. Every rank runs the same forwards, so
-the tensor- and expert-parallel collectives pair up; greedy rows come out of the vocab-parallel
-head identical on every rank, sampled rows' full logits too (rank 0 draws from them).
+``{"op": "step", "decode": {slots, positions, tokens[, drafts]} | None, "prefill": {slots,
+starts, ids: [[chunk], ...], last: [bool]} | None, "greedy": [rows], "sample": [rows], "stats":
+bool}``; ``{"op": "idle"}`` and a one-element all-reduce (``ping``) every ``HEARTBEAT_S`` while
+nothing runs (so no rank's wait reaches the collective timeout unless a peer is gone or frozen,
+and then every rank notices); ``{"op": "stop"}`` to shut down. Every rank runs the same
+forwards, so the tensor- and expert-parallel collectives pair up; greedy rows come out of the
+vocab-parallel head identical on every rank, sampled rows' full logits too (rank 0 draws from
+them).
 
 Every forward runs under ``exact.row_blocked()``: a row's result does not depend on the other
 rows of the batch, which is what makes a request's greedy output independent of the load.
@@ -74,10 +76,9 @@ class StepRunner:
             elif decode is not None:
                 ids = torch.tensor(decode["tokens"]).unsqueeze(1)
                 rows.append(model(ids, decode["positions"], slots=decode["slots"])[:, -1])
-            if prefill is not None:
-                hidden = model(torch.tensor([prefill["ids"]]), prefill["start"], slots=[prefill["slot"]])
-                if prefill["last"]:
-                    rows.append(hidden[:, -1])
+            if prefill is not None:  # chunks of one length, one row per sequence
+                hidden = model(torch.tensor(prefill["ids"]), prefill["starts"], slots=prefill["slots"])
+                rows += [hidden[i:i + 1, -1] for i, last in enumerate(prefill["last"]) if last]
             greedy = logits = None
             if rows:
                 hidden = torch.cat(rows)
