@@ -5,10 +5,9 @@ The server is ``transformers serve`` (the transformers package's OpenAI-compatib
 ``transformers[serving]`` in the test extra) on a tiny random llama checkpoint made here, whose
 tokenizer and ChatML template come from ``make_checkpoint``: its answers are the model's real
 (random-weight) output. It listens on 127.0.0.1 on a free port and is always stopped.
-llama-cpp-python (llama.cpp's server) was the first choice, but it compiles llama.cpp at install
-time: 12 min 50 s on an idle 2-core machine (``CMAKE_ARGS=-DGGML_NATIVE=OFF``, 0.3.36), more than a
-test install may take here. ``bench --url`` was checked by hand against it as well (its
-``/extras/tokenize`` path: exact prompts, no streamed usage).
+llama.cpp's own server is measured the same way in ``tests/test_bench_url_llama_cpp.py`` (when
+llama-cpp-python is installed: it compiles llama.cpp at install time, so ``.ci/run`` installs it apart
+from the test extra), and shardwise's own server in ``tests/test_serve.py``.
 """
 
 from __future__ import annotations
