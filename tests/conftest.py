@@ -7,11 +7,15 @@ Tests import them by name (pytest puts this folder on ``sys.path``)::
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 CLI_TIMEOUT_S = 300  # the longest any test allowed one command (validate, report, sweep)
@@ -34,6 +38,25 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_
     return subprocess.run(cli_argv(*args), capture_output=True, text=True, timeout=timeout, env=cli_env(env))
 
 
+def cli_in_process(*args: str) -> tuple[int, str, str]:
+    """``shardwise ARGS`` run in this process through ``cli.main``, as the console script runs it:
+    (exit code, stdout, stderr). No interpreter start, so hundreds of calls stay fast; for commands
+    that start no processes. An exception ``main`` lets through (a bug) propagates to the test."""
+    from shardwise import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, sys.argv = sys.argv, ["shardwise", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        sys.argv = argv
+    return code, out.getvalue(), err.getvalue()
+
+
 def cli_json(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S) -> dict:
     """``shardwise ARGS --json``, which must exit 0; its stdout parsed."""
     proc = run_cli(*args, "--json", env=env, timeout=timeout)
@@ -44,3 +67,16 @@ def cli_json(*args: str, env: dict[str, str] | None = None, timeout: float = CLI
 def plan_json(*args: str) -> dict:
     """``shardwise plan ARGS --json``, which must exit 0; its document."""
     return cli_json("plan", *args)
+
+
+@pytest.fixture(scope="session")
+def probe_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """``shardwise probe --ranks 2`` once for the session, small sizes, one thread per rank (the two
+    ranks share this machine's cores): (the finished command, its cluster TOML, its JSON document).
+    tests/test_probe.py checks what it measured; tests/test_bench.py benches against it."""
+    folder = tmp_path_factory.mktemp("probe")
+    out, doc = folder / "cluster.toml", folder / "probe.json"
+    done = run_cli("probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3", "--algorithms", "ring,rd,oneshot",
+                   "--triad-mb", "8", "--matmul-size", "64", "--out", str(out), "--json-out", str(doc),
+                   env={"OMP_NUM_THREADS": "1"})
+    return done, out, doc

@@ -44,8 +44,8 @@ class PoisonRejected(Drafter):
             mixer = layer.self_attn
             if getattr(mixer, "recurrent", False):
                 cache = mixer.state
-                for p in range(length + 1, cache.high + 1):
-                    cache.state_cache[p % cache.slots] = float("nan")
+                for p in range(length + 1, cache.held[0][1] + 1):  # speculative runs in cache slot 0
+                    cache.state_cache[:, p % cache.snapshots] = float("nan")
                     cache.conv_cache[:, :, (p - 1) % cache.conv_cache.shape[-1]] = float("nan")
             elif hasattr(mixer, "latent_cache"):
                 mixer.latent_cache[:, length:] = float("nan")

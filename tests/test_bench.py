@@ -88,11 +88,9 @@ def test_bench_document_schema():
     assert doc["totals"]["comm"][0]["measured_s"] == pytest.approx(1.1e-3)
 
 
-def test_bench_cli_tp2_writes_json_and_chrome_trace(tiny_llama, tmp_path):
+def test_bench_cli_tp2_writes_json_and_chrome_trace(tiny_llama, tmp_path, probe_run):
     env = {"OMP_NUM_THREADS": "1"}
-    probe = tmp_path / "probe.json"
-    done = run_cli("probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3", "--algorithms", "ring,rd,oneshot",
-                   "--triad-mb", "8", "--matmul-size", "64", "--json-out", str(probe), "--json", env=env)
+    done, _, probe = probe_run
     assert done.returncode == 0, done.stderr
     out, trace = tmp_path / "bench.json", tmp_path / "bench.trace.json"
     done = run_cli("bench", str(tiny_llama), "--tp", "2", "--probe", str(probe), "--prompt-ids", "1,2,3",

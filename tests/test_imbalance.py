@@ -66,3 +66,18 @@ def test_quantile_matches_numpy_percentile():
         draws = np.sort(rng.integers(0, 9, n))
         for q in (0.0, 0.5, 0.99, 1.0):
             assert _quantile(draws, q) == pytest.approx(np.percentile(draws, 100 * q), abs=1e-12)
+
+
+def test_large_batches_and_wide_picks_stay_bounded():
+    """Issue #18: `plan --batch 1000` held samples x tokens x k picks (0.9 GB, 9 s; 1e6 never ended);
+    64 of 256 experts redrew rows forever (almost every row repeats an expert); C(4096, 2048) is
+    past the float range. Past E picks in all the draw is per-group binomial, near the closed form."""
+    import time
+
+    start = time.monotonic()
+    for tokens in (200, 10**6):
+        mc = load_percentiles(896, 16, 16, tokens=tokens, samples=2000, seed=4)["mean"]
+        assert mc == pytest.approx(expected_max_load_tokens(896, 16, 16, tokens), rel=0.02)
+    assert load_percentiles(256, 64, 1, samples=2000)["p50"] == 64
+    assert distinct_experts(65536, 64, 8) / 16 < expected_max_load_tokens(65536, 64, 16, 8) < 65536 / 16
+    assert time.monotonic() - start < 5

@@ -61,11 +61,8 @@ def test_auto_picks_what_best_allreduce_says(n_bytes, ranks):
     assert choice.seconds == pytest.approx(best_allreduce(n_bytes, ranks, alpha, beta)[1])
 
 
-def test_probe_writes_a_cluster_file_that_plan_reads(tmp_path):
-    out, doc_path = tmp_path / "cluster.toml", tmp_path / "probe.json"
-    done = run_cli("probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3", "--algorithms", "ring,rd",
-                   "--triad-mb", "8", "--matmul-size", "64", "--out", str(out), "--json-out", str(doc_path),
-                   env=ONE_THREAD)
+def test_probe_writes_a_cluster_file_that_plan_reads(probe_run, tmp_path):
+    done, out, doc_path = probe_run
     assert done.returncode == 0, done.stderr
     assert "all-reduce ring" in done.stdout and "busbw" in done.stdout
     doc = json.loads(doc_path.read_text())

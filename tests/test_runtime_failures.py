@@ -1,12 +1,14 @@
-"""SIGKILL one rank of a real `shardwise run` mid-generation (tp=2 and tp=3, gloo on loopback).
+"""Faults in a real `shardwise run` mid-generation (gloo on loopback): SIGKILL one rank (tp=2 and
+tp=3), SIGSTOP one rank (default settings), SIGINT to the leader.
 
-Every other rank must exit non-zero with a message naming the lost rank, the command must
-exit non-zero with a one-line error naming it, nothing may be left running, and all of it
-within 60 s of the kill.
+A killed or frozen rank: every other rank must exit non-zero with a message naming it, the command
+must exit non-zero with a one-line error naming it, nothing may be left running, and all of it within
+60 s of the signal. Ctrl-C on the leader: exit 130 with one line, no rank left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,34 +69,52 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize(("tp", "victim"), [(2, 1), (3, 0)], ids=["tp2-kill-rank1", "tp3-kill-rank0"])
-def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
-    # rank 0 sleeps 1 ms per layer (testing hook) so 20000 tokens take far longer than the test
+def _long_run(llama6: Path, tp: int, tokens: int = 20000):
+    """A `shardwise run` decoding far longer than any test (rank 0 sleeps 1 ms per layer, a testing
+    hook), returned once generation is under way: (process, its stderr lines so far — a thread keeps
+    reading them —, that thread, {rank: pid})."""
     proc = subprocess.Popen(
-        cli_argv("run", str(llama6), "--tp", str(tp), "--prompt-ids", "1,2,3", "--max-new-tokens", "20000"),
+        cli_argv("run", str(llama6), "--tp", str(tp), "--prompt-ids", "1,2,3", "--max-new-tokens", str(tokens)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env({"SHARDWISE_TEST_SLOW_RANK": "0:0.001"}),
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr))
     reader.start()
+    deadline = time.monotonic() + 120
+    while not any(f"generating up to {tokens} tokens" in line for line in lines):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _end(proc, {}, reader)
+            pytest.fail(f"generation did not start within 120 s: {''.join(lines)}")
+        time.sleep(0.1)
+    time.sleep(1.0)  # well into decoding
+    ranks = _ranks_of(proc.pid)
+    assert sorted(ranks) == list(range(tp)), ranks
+    return proc, lines, reader, ranks
+
+
+def _end(proc: subprocess.Popen, ranks: dict[int, int], reader: threading.Thread) -> None:
+    """Whatever a failed test left: the command and its ranks killed (a stopped rank continued first)."""
+    for pid in ranks.values():
+        with contextlib.suppress(ProcessLookupError):  # it may exit between the look and the kill
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    reader.join()
+
+
+@pytest.mark.parametrize(("tp", "victim"), [(2, 1), (3, 0)], ids=["tp2-kill-rank1", "tp3-kill-rank0"])
+def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
+    proc, lines, reader, ranks = _long_run(llama6, tp)
     try:
-        deadline = time.monotonic() + 120
-        while not any("generating up to 20000 tokens" in line for line in lines):
-            assert proc.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "generation did not start within 120 s"
-            time.sleep(0.1)
-        time.sleep(1.0)  # well into decoding
-        ranks = _ranks_of(proc.pid)
-        assert sorted(ranks) == list(range(tp)), ranks
         os.kill(ranks[victim], signal.SIGKILL)
         killed = time.monotonic()
         proc.wait(timeout=LIMIT_S)
         took = time.monotonic() - killed
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join()
+        _end(proc, ranks, reader)
     stderr = "".join(lines)
     assert took < LIMIT_S, f"took {took:.1f} s"
     assert proc.returncode == 2, stderr  # the lost rank is a ShardwiseError (RankFailure): exit 2
@@ -105,4 +125,38 @@ def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
         assert f"[shardwise rank {r}] stopping: {lost}" in stderr, stderr
         assert f"then rank {r}: stopped after rank {victim} of {tp} failed (exit code 1)" in last, last
     assert "Traceback" not in stderr, stderr  # the survivors' knock-on errors stay one line
+    assert not any(_alive(pid) for pid in ranks.values())
+
+
+def test_sigstop_one_rank_is_named_within_60_s(llama6):
+    """Default settings (no --timeout): the launcher's heartbeats name the frozen rank (after 10 s)."""
+    proc, lines, reader, ranks = _long_run(llama6, 2)
+    try:
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        proc.wait(timeout=LIMIT_S)
+        took = time.monotonic() - stopped
+    finally:
+        _end(proc, ranks, reader)
+    stderr = "".join(lines)
+    assert took < LIMIT_S, f"took {took:.1f} s"
+    assert proc.returncode == 2, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1 of 2 failed: stopped making progress: no heartbeat for"), stderr
+    assert "then rank 0: stopped after rank 1 of 2 failed" in last, last
+    assert "[shardwise rank 0] stopping: rank 1 of 2 failed: stopped making progress" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    assert not any(_alive(pid) for pid in ranks.values())
+
+
+def test_sigint_to_the_leader_exits_130_and_leaves_no_rank(llama6):
+    proc, lines, reader, ranks = _long_run(llama6, 2)
+    try:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=LIMIT_S)
+    finally:
+        _end(proc, ranks, reader)
+    stderr = "".join(lines)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "error: interrupted" and "Traceback" not in stderr, stderr
     assert not any(_alive(pid) for pid in ranks.values())

@@ -9,9 +9,11 @@ longer sequence and was then filled with NaN (any read of a stale key would pois
 Every step decodes all running sequences in one call. Each sequence's tokens and the hidden states
 of every call it took part in must be bit-identical (``torch.equal``) to that sequence run alone in
 slot 0 of a fresh model through the one-sequence path (``slots=None``), with the same chunks: at
-tp 1 for llama, qwen3_moe (MoE), deepseek_v3 (MLA) and gpt_oss (sliding window 4, so rings wrap
-while prefilling and decoding), and at tp 2 with expert parallelism (ep 2) for qwen3_moe. Then the
-one-line errors, and the one-sequence-only models with linear-attention layers.
+tp 1 for llama, qwen3_moe (MoE), deepseek_v3 (MLA), gpt_oss (sliding window 4, so rings wrap
+while prefilling and decoding), kimi_linear (KDA + NoPE MLA) and qwen3_5_moe (Gated DeltaNet +
+gated attention) — the linear-attention layers' recurrent state and conv window kept per slot —
+and at tp 2 with expert parallelism (ep 2) for qwen3_moe. Then the one-line errors, and the
+linear-attention state rolled back per slot after speculative-style passes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ ARCHS = {  # catalog model → make_checkpoint overrides
     "qwen3-30b-a3b": {},
     "deepseek-v3": {},
     "gpt-oss-20b": {"sliding_window": 4},
+    "kimi-linear-48b-a3b": {},
+    "qwen3.5-397b-a17b": {},
 }
 MAX_BATCH, MAX_SEQ_LEN, CHUNK = 3, 24, 4
 FREE = [2, 0, 1]  # the order slots are handed out: the first sequence runs in slot 2, not 0
@@ -142,10 +146,11 @@ def _compare(folder: str, plan: ParallelPlan, rank: int = 0) -> dict:
         for call, (h, ref) in enumerate(zip(hidden[i], ref_hidden)):
             if not torch.equal(h, ref):
                 problems.append(f"sequence {i} call {call}: max |Δh| {float((h - ref).abs().max()):.3g}")
-    return dict(problems=problems, slots=slots, widest=widest, tokens=tokens)
+    return dict(problems=problems, slots=slots, widest=widest, tokens=tokens, supports=fresh.supports_slots)
 
 
 def _check(result: dict, label: str) -> None:
+    assert result["supports"], f"{label}: supports_slots is False"
     assert not result["problems"], f"{label}: " + "; ".join(result["problems"][:5])
     assert result["slots"] == [2, 0, 1, 0], f"{label}: slots {result['slots']} (the fourth must reuse the second's)"
     assert result["widest"] == 3, f"{label}: at most {result['widest']} rows in one call"
@@ -202,19 +207,34 @@ def test_slots_match_the_one_sequence_path_and_report_their_limits(llama):
 
 @pytest.mark.parametrize("key", ["kimi-linear-48b-a3b", "qwen3.5-397b-a17b"])
 @torch.no_grad()
-def test_linear_attention_models_take_one_sequence(tmp_path, key):
+def test_linear_state_rolls_back_per_slot(tmp_path, key):
+    """Built for verify passes of 3 positions, each slot keeps its own snapshots: two sequences in
+    slots 1 and 0 run passes of 3 in one call, each is rolled back by its own amount and passes
+    again (restarts inside the last pass), bit-identical to each alone; then a restart one slot
+    no longer holds is refused while the other slot carries on."""
     from shardwise.runtime.loader import load_shard, load_spec
     from shardwise.runtime.model import ShardedCausalLM
 
-    folder = make_checkpoint(key, "tiny", tmp_path / "ckpt", seed=0)
-    model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, torch.float32, max_seq_len=16)
-    load_shard(model, folder)
-    assert not model.supports_slots
-    prompt = torch.tensor([_IDS[:5]])
-    plain = copy.deepcopy(model)
-    assert torch.equal(model(prompt, 0, slots=[0]), plain(prompt, 0))
-    assert torch.equal(model(prompt[:, :1], [5], slots=[0]), plain(prompt[:, :1], 5))
-    message = r"takes one sequence at a time \(max batch 1, slots=\[0\]\): its linear-attention layers keep one state"
-    for ids, slots in (([[1]], [1]), ([[1], [2]], [0, 1])):
-        with pytest.raises(ShardwiseError, match=message):
-            model(torch.tensor(ids), 0, slots)
+    folder = _folder(tmp_path, key)
+    fresh = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, torch.float32, max_seq_len=MAX_SEQ_LEN,
+                            max_batch=MAX_BATCH, max_step_tokens=3)
+    load_shard(fresh, folder)
+    assert fresh.supports_slots
+    torch.set_num_threads(1)
+    seqs = {1: _IDS[:6], 0: _IDS[6:10]}  # slot → prompt
+    passes = {1: [(6, _IDS[10:13]), (7, _IDS[13:16]), (10, _IDS[16:17])],  # restart 2 back, then decode
+              0: [(4, _IDS[17:20]), (6, _IDS[20:23]), (9, _IDS[23:24])]}  # restart 1 back
+    with row_blocked():
+        model = copy.deepcopy(fresh)
+        got = {s: [model(torch.tensor([p]), 0, [s])[0]] for s, p in seqs.items()}
+        for c in range(3):
+            out = model(torch.tensor([passes[s][c][1] for s in seqs]), [passes[s][c][0] for s in seqs], list(seqs))
+            for s, h in zip(seqs, out):
+                got[s].append(h)
+        for s, prompt in seqs.items():
+            alone = copy.deepcopy(fresh)
+            want = [alone(torch.tensor([prompt]), 0)[0]] + [alone(torch.tensor([ids]), p)[0] for p, ids in passes[s]]
+            assert all(torch.equal(a, b) for a, b in zip(got[s], want)), f"slot {s} differs from its sequence alone"
+        with pytest.raises(ShardwiseError, match=r"state at position 6 is no longer held \(held: 7..10, 4 snapshots\)"):
+            model(torch.tensor([[1]]), [6], [0])
+        model(torch.tensor([[1]]), [8], [1])  # slot 1 holds 8..11: its own snapshots

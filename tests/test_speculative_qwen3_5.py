@@ -151,7 +151,7 @@ def test_rollback_limits(ckpts):
     """A model built for plain decoding refuses verify passes; a restart past the held snapshots
     is a one-line error instead of a silently wrong state."""
     plain = _load(ckpts["raw"], 1, 0, steps=1)
-    assert plain.model.layers[0].self_attn.state.slots == 1
+    assert plain.model.layers[0].self_attn.state.snapshots == 1
     with pytest.raises(ShardwiseError, match="max_step_tokens >= 3"):
         speculative_generate(plain, REPEAT, 4, PromptLookup(1, 3), 2, eos=set())
     model = _load(ckpts["raw"], 1, 0, steps=3)  # 4 snapshots: restarts up to 3 positions back

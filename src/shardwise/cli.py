@@ -103,5 +103,8 @@ def main() -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    """One line on stderr, however the message came: a newline, a control character or a line
+    separator from user input (a file's bytes, a flag's value) is printed escaped."""
+    line = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+    print(f"error: {line}", file=sys.stderr)
     sys.exit(code)

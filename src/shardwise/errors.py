@@ -8,6 +8,12 @@ class ShardwiseError(Exception):
     """An error caused by input; the CLI prints its message as one line and exits 2."""
 
 
+def shown(value: object) -> str:
+    """``repr(value)`` cut to 60 characters: a value read from a file, quoted in an error line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def unknown_name(kind: str, name: str, known: Iterable[str]) -> ShardwiseError:
     """Error for an unknown catalog name that suggests the closest known names."""
     known = sorted(known)

@@ -108,10 +108,11 @@ def register(app: typer.Typer) -> None:
         draft_model: Annotated[Optional[str], typer.Option(
             help="draft model (catalog key or config.json) run on every box; default: a free drafter (prompt lookup)")] = None,
         runtime: Annotated[str, typer.Option(help="runtime profile: ideal, vllm, llama-cpp, mlx, shardwise")] = "vllm",
-        quant: Annotated[Optional[str], typer.Option(help="one format for every matmul weight")] = None,
+        quant: Annotated[Optional[str], typer.Option(
+            help="one format for every matmul weight (--experts / --dense, when given, win for their part)")] = None,
         experts: Annotated[Optional[str], typer.Option(help="format of the routed experts")] = None,
         dense: Annotated[Optional[str], typer.Option(help="format of the non-expert matmul weights")] = None,
-        price: Annotated[Optional[float], typer.Option(help="price per box, USD")] = None,
+        price: Annotated[Optional[float], typer.Option(help="price per box, USD (0 for boxes already owned)")] = None,
         kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype")] = "bf16",
         cluster: Annotated[Optional[str], typer.Option(help="cluster TOML (from `shardwise probe` or by hand)")] = None,
         batch: Annotated[int, typer.Option(help="sequences decoded together (users at once), each with its own cache")] = 1,

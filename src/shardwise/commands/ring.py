@@ -14,7 +14,8 @@ DEFAULT_MESSAGE_BYTES = 14336
 
 
 def ring(
-    topology: Path = typer.Option(..., "--topology", help="Cluster TOML file with [[hosts]], [[switches]], [[links]]."),
+    topology: Path = typer.Option(  # help is rich markup: '\[' keeps the section names' brackets
+        ..., "--topology", help=r"Cluster TOML file with [\[hosts]], [\[switches]], [\[links]]."),
     message_bytes: int = typer.Option(
         DEFAULT_MESSAGE_BYTES, "--message-bytes", help="All-reduce message size in bytes (default: hidden 7168 x 2)."
     ),

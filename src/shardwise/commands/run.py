@@ -13,6 +13,9 @@ import typer
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S
 
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; far larger values overflow the process group's timedelta in the ranks
+
+
 def _document(spec, folder: Path, request, reports: list[dict[str, Any]], backend: str) -> dict[str, Any]:
     from shardwise.runtime.generate import load_tokenizer
 
@@ -48,6 +51,20 @@ def _trace_paths(path: Path) -> tuple[Path, Path]:
     if not path.parent.is_dir():
         raise ShardwiseError(f"--trace {path}: folder '{path.parent}' does not exist")
     return path, path.with_suffix(".summary.json")
+
+
+def _check_trace(path: Path) -> None:
+    """Refuse a --trace path that cannot be written, before any rank starts: both files are opened
+    for appending (one this creates is removed again, so a run that fails later leaves nothing)."""
+    for target in _trace_paths(path):
+        existed = target.exists()
+        try:
+            with target.open("a"):
+                pass
+        except OSError as exc:
+            raise ShardwiseError(f"--trace {path}: cannot write '{target}' ({exc.strerror}): pass a writable file path") from None
+        if not existed:
+            target.unlink()
 
 
 def _write_trace(spec, request, reports: list[dict[str, Any]], path: Path, tok_per_s: float) -> dict[str, Any]:
@@ -178,15 +195,19 @@ def register(app: typer.Typer) -> None:
         from shardwise.plan import ParallelPlan, default_ep
         from shardwise.runtime.checkpoint import default_checkpoint
         from shardwise.runtime.comm import get_allreduce
-        from shardwise.runtime.generate import DEFAULT_PROMPT, SamplingParams, encode_prompt, parse_prompt_ids
+        from shardwise.runtime.generate import (
+            DEFAULT_PROMPT, SamplingParams, check_prompt, encode_prompt, max_positions, parse_prompt_ids,
+        )
         from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec
         from shardwise.runtime.model import check_runnable, torch_dtype
+        from shardwise.runtime.rendezvous import check_backend
         from shardwise.runtime.runner import RunRequest, run_rank
 
         torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         world = int(os.environ["WORLD_SIZE"]) if torchrun else None
         if prompt is not None and prompt_ids is not None:
             raise ShardwiseError("pass either --prompt or --prompt-ids, not both")
+        check_backend(backend)
         folder = checkpoint if checkpoint is not None else default_checkpoint()
         spec = load_spec(folder)
         tp = tp if tp is not None else (world or 2)
@@ -214,16 +235,21 @@ def register(app: typer.Typer) -> None:
                                      str(draft) if draft is not None else None)
             if draft is not None:
                 check_draft(folder, draft)
-        if timeout <= 0:
+        if not timeout > 0:
             raise ShardwiseError(f"--timeout must be > 0 seconds, got {timeout:g}")
+        if timeout > MAX_TIMEOUT_S:
+            raise ShardwiseError(f"--timeout must be at most {MAX_TIMEOUT_S} seconds (a week), got {timeout:g}")
         if trace is not None:
-            _trace_paths(trace)
-        with Checkpoint(folder) as ckpt:
-            check_checkpoint(spec, ckpt)
+            _check_trace(trace)
         if prompt_ids is not None:
             ids = parse_prompt_ids(prompt_ids)
         else:
             ids = tuple(encode_prompt(folder, prompt if prompt is not None else DEFAULT_PROMPT))
+        models = {folder: spec, **({draft: load_spec(draft)} if draft is not None else {})}
+        for path, path_spec in models.items():  # what the ranks would refuse, refused before they start
+            check_prompt(ids, max_new_tokens, path_spec.vocab_size, *max_positions(path_spec))
+            with Checkpoint(path) as ckpt:
+                check_checkpoint(path_spec, ckpt)
         request = RunRequest(
             checkpoint=str(folder), prompt_ids=ids, max_new_tokens=max_new_tokens, tp=tp, ep=ep, dtype=dtype,
             temperature=temperature, top_p=top_p, seed=seed, allreduce=allreduce, backend=backend,

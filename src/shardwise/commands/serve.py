@@ -16,9 +16,6 @@ SERVE_TIMEOUT_S = 30.0
 """Default seconds one collective may block before the server fails (a frozen rank is noticed
 within this; rank 0 sends a heartbeat every second while idle so an idle server never waits that long)."""
 
-DEFAULT_SLOTS = 8
-"""KV-cache slots (--max-batch) when not given."""
-
 MAX_SLOTS = 256
 """Most KV-cache slots (--max-batch) one server holds."""
 
@@ -45,7 +42,7 @@ def register(app: typer.Typer) -> None:
         ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel degree (default: experts over all TP ranks)")] = None,
         host: Annotated[str, typer.Option("--host", help="address to listen on (loopback unless you say otherwise)")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="TCP port of the HTTP API")] = 8000,
-        max_batch: Annotated[Optional[int], typer.Option("--max-batch", help="sequences decoded together (KV-cache slots; default 8, 1 for linear-attention models)")] = None,
+        max_batch: Annotated[int, typer.Option("--max-batch", help="sequences decoded together (KV-cache / state slots)")] = 8,
         max_model_len: Annotated[int, typer.Option("--max-model-len", help="tokens per sequence (prompt + generated), the size of each slot")] = 2048,
         prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="prompt tokens read per step between decode steps")] = 128,
         dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
@@ -65,7 +62,7 @@ def register(app: typer.Typer) -> None:
         from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec
         from shardwise.runtime.model import check_runnable, torch_dtype
         from shardwise.runtime.rendezvous import check_backend
-        from shardwise.serve.rank import ServeRequest, one_sequence_at_a_time, serve_rank
+        from shardwise.serve.rank import ServeRequest, serve_rank
         from shardwise.serve.text import ServeTokenizer
 
         torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -77,13 +74,8 @@ def register(app: typer.Typer) -> None:
             raise ShardwiseError(f"--tp {tp} must equal the torchrun world size {world}")
         ep = ep if ep is not None else default_ep(spec, tp)
         check_runnable(spec, ParallelPlan(tp=tp, ep=ep))
-        if max_batch is None:
-            max_batch = 1 if one_sequence_at_a_time(spec) else DEFAULT_SLOTS
         if not 1 <= max_batch <= MAX_SLOTS:
             raise ShardwiseError(f"--max-batch must be in 1..{MAX_SLOTS}, got {max_batch}")
-        if max_batch > 1 and one_sequence_at_a_time(spec):
-            raise ShardwiseError(f"{spec.name}'s linear-attention layers keep one state per sequence and the runtime "
-                                 "runs them one sequence at a time: use --max-batch 1")
         if not 2 <= max_model_len <= spec.max_position_embeddings:
             raise ShardwiseError(f"--max-model-len must be in 2..{spec.max_position_embeddings} (the model's "
                                  f"max_position_embeddings), got {max_model_len}")

@@ -32,11 +32,12 @@ def parse_explain(value: str) -> tuple[str, int, str | None]:
     """'BOX:N[:LINK]' → (box, count, link)."""
     parts = value.split(":")
     try:
-        if len(parts) not in (2, 3):
+        if len(parts) not in (2, 3) or int(parts[1]) < 1:
             raise ValueError
         return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None
     except ValueError:
-        raise ShardwiseError(f"--explain '{value}' must look like BOX:N or BOX:N:LINK, e.g. dgx-spark:16:100g-roce") from None
+        raise ShardwiseError(
+            f"--explain '{value}' must look like BOX:N or BOX:N:LINK with N >= 1, e.g. dgx-spark:16:100g-roce") from None
 
 
 def run(req, explain_targets: list[tuple[str, str, int, str | None]], show_progress: bool):
@@ -170,6 +171,8 @@ def register(app: typer.Typer) -> None:
         """Sweep boxes x counts x links x layouts x quantizations x models; print the Pareto front."""
         if json_out and csv_out:
             raise ShardwiseError("--json and --csv both given: pick one")
+        if limit < 1:
+            raise ShardwiseError(f"--limit must be >= 1 row, got {limit}")
         req = build_request(model, box, boxes, link, quant, experts, budget, max_watts, min_tok_per_s, context,
                             max_boxes, runtime, spec_tokens, acceptance, workload, prefill, prompt_tokens,
                             list_prices, kv_dtype, draft_model, users)

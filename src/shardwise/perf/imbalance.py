@@ -11,13 +11,14 @@ skew only makes the busiest rank busier, so these figures are optimistic).
 - ``n`` tokens verified together (speculative decoding): each expert is touched with
   probability ``q = 1 − (1 − k/E)^n`` (the distinct-expert formula); counts per group are
   modelled as independent Binomial(E/ep, q), the maximum from the product of their CDFs.
-- A seeded Monte-Carlo gives p50/p99 and checks both closed forms.
+- A seeded Monte-Carlo gives p50/p99 and checks both closed forms (past E picks in all, it
+  draws the binomial groups of the ``n``-token form).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from math import comb
+from math import comb, lgamma
 
 import numpy as np
 
@@ -82,8 +83,8 @@ def expected_max_load_tokens(num_experts: int, top_k: int, ep: int, tokens: int)
     if ep <= 1 or q >= 1.0:  # q rounds to 1 for large batches: every expert is touched
         return per * q
     c = np.arange(per + 1)
-    log_pmf = (
-        np.array([np.log(float(comb(per, int(j)))) for j in c])
+    log_pmf = (  # log C(per, j) by lgamma: C itself passes the float range from per ~1030
+        np.array([lgamma(per + 1) - lgamma(j + 1) - lgamma(per - j + 1) for j in range(per + 1)])
         + c * np.log(q)
         + (per - c) * np.log1p(-q)
     )
@@ -96,9 +97,15 @@ def expected_max_load_tokens(num_experts: int, top_k: int, ep: int, tokens: int)
 def monte_carlo_max_load(
     num_experts: int, top_k: int, ep: int, tokens: int = 1, samples: int = 20000, seed: int = 0
 ) -> np.ndarray:
-    """Seeded samples of the busiest group's distinct picked experts (uniform routing)."""
+    """Seeded samples of the busiest group's distinct picked experts (uniform routing). Past
+    ``num_experts`` picks in all (a large batch), each expert is drawn as touched independently
+    with q = 1 − (1 − k/E)^n: one token's k picks being distinct no longer matters, and the exact
+    draw would hold samples × n × k picks (gigabytes at a batch of thousands)."""
     rng = np.random.default_rng(seed)
     per = num_experts // ep
+    if tokens * top_k > num_experts:
+        q = 1.0 - (1.0 - top_k / num_experts) ** tokens
+        return rng.binomial(per, q, size=(samples, ep)).max(axis=1)
     picks = np.concatenate([_distinct_picks(rng, samples, num_experts, top_k) for _ in range(tokens)], axis=1)
     # distinct experts per sample row: sort each row, keep first occurrences
     picks.sort(axis=1)
@@ -111,8 +118,9 @@ def monte_carlo_max_load(
 
 def _distinct_picks(rng: np.random.Generator, samples: int, num_experts: int, top_k: int) -> np.ndarray:
     """``samples`` rows of ``top_k`` distinct experts, uniform (draws with replacement, redraws rows
-    that repeated an expert: cheap when top_k is much smaller than num_experts)."""
-    if 4 * top_k > num_experts:
+    that repeated an expert: cheap while k² <= E, when a row repeats none with probability about
+    exp(−k²/2E) >= 0.6; past that, e.g. 64 of 256, almost every row repeats one and redraws forever)."""
+    if top_k * top_k > num_experts:
         return np.argpartition(rng.random((samples, num_experts)), top_k - 1, axis=1)[:, :top_k]
     picks = rng.integers(0, num_experts, size=(samples, top_k))
     while True:

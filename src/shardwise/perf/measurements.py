@@ -8,6 +8,7 @@ model does not cover, e.g. batch 32) is returned as unresolved with the reason â
 from __future__ import annotations
 
 import csv
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ShardwiseError, shown
 from shardwise.perf.speculative import WORKLOADS
 from shardwise.plan import ParallelPlan, default_plan, validate_plan
 from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec
@@ -82,34 +83,74 @@ def parse_number(text: str) -> float | None:
     return float(numbers[0])
 
 
-def read_measurements(path: str | Path) -> list[Measurement]:
-    """Rows of a measurements CSV with the columns of ``data/measurements.csv``."""
-    path = Path(path)
-    if not path.exists():
-        raise ShardwiseError(f"measurements file '{path}' does not exist")
-    with path.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ShardwiseError(f"measurements file '{path}' lacks column(s) {', '.join(missing)}")
-        out = []
-        for row in reader:
-            def num(key: str) -> int | None:
-                v = parse_number(row[key])
-                return None if v is None else int(v)
+POSITIVE_COLUMNS = ("num_devices", "decode_tok_s", "prefill_tok_s")  # a measured 0 (or no device) is impossible
+NUMBER_COLUMNS = POSITIVE_COLUMNS + ("prompt_tokens", "context_depth_tokens", "gen_tokens")
 
-            out.append(
-                Measurement(
-                    id=row["id"], model=row["model"], hardware=row["hardware"],
-                    num_devices=num("num_devices") or 1, interconnect=row["interconnect"],
-                    software=row["software"], parallelism=row["parallelism"], quant_format=row["quant_format"],
-                    prompt_tokens=num("prompt_tokens"), context_depth_tokens=num("context_depth_tokens"),
-                    gen_tokens=num("gen_tokens"), batch_size=row["batch_size"],
-                    decode_tok_s=parse_number(row["decode_tok_s"]), prefill_tok_s=parse_number(row["prefill_tok_s"]),
-                    speculative_decoding=row["speculative_decoding"], source=row["source"],
-                    metric_notes=row.get("metric_notes") or "",
-                )
+
+def cell_number(text: str | None, where: str, positive: bool) -> float | None:
+    """``parse_number`` of a CSV cell, refusing (one line naming ``where``, the file, line and
+    column) what no measurement can be: a negative, NaN or infinite figure, or 0 for ``positive``."""
+    text = (text or "").strip()
+    try:
+        value: float | None = float(text.replace(",", ""))  # plain numbers: '-5', 'nan', '1e3' as written
+    except ValueError:
+        if re.match(r"~?\s*-\s*\d", text):
+            raise ShardwiseError(f"{where}: {shown(text)} is negative: fix the cell or leave it empty") from None
+        value = parse_number(text)
+    if value is not None and not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        need = "a finite number > 0" if positive else "a finite number >= 0"
+        raise ShardwiseError(f"{where}: {shown(text)} must be {need}: fix the cell or leave it empty")
+    return value
+
+
+def read_measurements(path: str | Path) -> list[Measurement]:
+    """Rows of a measurements CSV with the columns of ``data/measurements.csv``; one-line errors
+    (naming the line and column) for a file that is not UTF-8 CSV, has no rows, a row short of
+    columns, or an impossible figure (negative, NaN, a measured 0)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ShardwiseError(f"measurements file '{path}' is not a file: pass a CSV file")
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as fh:
+            return _rows(csv.DictReader(fh), path)
+    except UnicodeDecodeError as exc:
+        raise ShardwiseError(f"measurements file '{path}' is not UTF-8 text (byte {exc.start}): save it as UTF-8 CSV") from None
+    except csv.Error as exc:
+        raise ShardwiseError(f"measurements file '{path}' is not CSV shardwise can read: {exc}") from None
+    except OSError as exc:
+        raise ShardwiseError(f"measurements file '{path}' cannot be read ({exc.strerror}): check the path") from None
+
+
+def _rows(reader: csv.DictReader, path: Path) -> list[Measurement]:
+    missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ShardwiseError(f"measurements file '{path}' lacks column(s) {', '.join(missing)}")
+    out = []
+    for row in reader:
+        where = f"measurements file '{path}' line {reader.line_num}"
+        short = [c for c in REQUIRED_COLUMNS if row[c] is None]
+        if short:
+            raise ShardwiseError(f"{where}: the row ends before column {short[0]}: "
+                                 f"give every row the header's {len(reader.fieldnames)} columns")
+        nums = {c: cell_number(row[c], f"{where}, column {c}", c in POSITIVE_COLUMNS) for c in NUMBER_COLUMNS}
+
+        def whole(key: str) -> int | None:
+            return None if nums[key] is None else int(nums[key])
+
+        out.append(
+            Measurement(
+                id=row["id"], model=row["model"], hardware=row["hardware"],
+                num_devices=whole("num_devices") or 1, interconnect=row["interconnect"],
+                software=row["software"], parallelism=row["parallelism"], quant_format=row["quant_format"],
+                prompt_tokens=whole("prompt_tokens"), context_depth_tokens=whole("context_depth_tokens"),
+                gen_tokens=whole("gen_tokens"), batch_size=row["batch_size"],
+                decode_tok_s=nums["decode_tok_s"], prefill_tok_s=nums["prefill_tok_s"],
+                speculative_decoding=row["speculative_decoding"], source=row["source"],
+                metric_notes=row.get("metric_notes") or "",
             )
+        )
+    if not out:
+        raise ShardwiseError(f"measurements file '{path}' has a header but no rows: add measurements")
     return out
 
 

@@ -22,6 +22,7 @@ from shardwise.spec.model import ModelSpec
 
 DEFAULT_RESERVE_FRACTION = 0.10
 GB = 1e9
+LAYOUT_SEARCH_MAX_BOXES = 4096  # the fewest-boxes search stops here (a batch of 1e6 asked for ~1e6 boxes)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def memory_fit(
     whole_cache = batch * model.cache_bytes(context_tokens, kv_bytes)
     usable = room - reserve - work
     min_boxes = math.ceil((total + whole_cache) / usable) if usable > 0 else 0
-    search_max = max(4 * max(min_boxes, 1), 64)
+    search_max = min(max(4 * max(min_boxes, 1), 64), LAYOUT_SEARCH_MAX_BOXES)
     layout_count = _first_fitting_count(model, formats_bits, context_tokens, kv_bytes, box_bytes, reserve_fraction,
                                         replicated_bytes, step_tokens, batch, max(min_boxes, 1), search_max)
     most = core.max_batch(table, context_tokens, box_bytes - reserve - work - replicated_bytes, step_tokens)

@@ -8,14 +8,31 @@ when called).
 
 from __future__ import annotations
 
+import math
+
 from shardwise.errors import ShardwiseError
 
 SEED = {"model": "kimi-k3", "box": "dgx-spark", "boxes": 16, "link": "100g-roce"}
 """The seed's case, ``shardwise plan``'s defaults: Kimi K3 on 16 DGX Spark boxes over 100 Gb RoCE."""
 
 DEFAULT_MAX_BOXES = 64
-MAX_BATCH = 1_000_000  # sequences in one step: far beyond any box's memory, small enough to stay numeric
 """Most boxes a sweep tries when neither --boxes nor --max-boxes is given."""
+MAX_SWEEP_BOXES = 4096  # a box count, a range's end or --max-boxes beyond this is refused (1-1e8 ate GBs)
+MAX_BATCH = 1_000_000  # sequences in one step: far beyond any box's memory, small enough to stay numeric
+MAX_PRICE_USD = 1e9  # per box: above any machine sold, low enough that a cluster's cost stays finite
+
+
+def check_number(flag: str, value: float | None, *, zero: bool = False, most: float | None = None) -> None:
+    """One-line error unless ``value`` (None: the flag was not given) is a finite number > 0
+    (>= 0 with ``zero``), at most ``most``: NaN, inf and negative money, watts or tok/s are refused."""
+    if value is None:
+        return
+    if math.isfinite(value) and (value >= 0 if zero else value > 0) and (most is None or value <= most):
+        return
+    bound = ">= 0" if zero else "> 0"
+    if most is not None:
+        bound += f" and at most {most:,.0f}"
+    raise ShardwiseError(f"--{flag} must be {bound} (a finite number), got {value:g}")
 
 
 # --------------------------------------------------------------------------- one plan
@@ -30,12 +47,15 @@ def decode_inputs(kv_dtype: str, spec_tokens: int, acceptance: float | None, wor
         raise ShardwiseError(f"--kv-dtype '{kv_dtype}' is unknown: use bf16, fp16, fp8 or fp32")
     if spec_tokens < 0:
         raise ShardwiseError(f"--spec-tokens must be >= 0, got {spec_tokens}")
+    given = [flag for flag, value in (("--acceptance", acceptance), ("--workload", workload)) if value is not None]
+    if len(given) == 2:
+        raise ShardwiseError("--acceptance and --workload both given: pick one (a workload names an acceptance)")
+    if given and not spec_tokens:
+        raise ShardwiseError(f"{given[0]} has no effect without --spec-tokens k: add --spec-tokens or drop {given[0]}")
     acc = 0.0
     if spec_tokens:
         acc = resolve_acceptance(acceptance, workload)
         check_spec(spec_tokens, acc)
-    elif acceptance is not None:
-        check_spec(1, acceptance)
     return kv_bytes, acc
 
 
@@ -48,6 +68,11 @@ def build_scenario(
     """Resolve CLI inputs into a validated Scenario (one-line errors on bad input)."""
     if not 1 <= batch <= MAX_BATCH:
         raise ShardwiseError(f"--batch must be a whole number of sequences in 1..{MAX_BATCH}, got {batch}")
+    if prompt_tokens < 1:
+        raise ShardwiseError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    check_number("price", price, zero=True, most=MAX_PRICE_USD)
+    if quant and experts and dense:
+        raise ShardwiseError(f"--quant {quant} has no effect with both --experts and --dense: drop --quant")
     from shardwise.perf.estimate import Scenario
     from shardwise.perf.profiles import get_profile
     from shardwise.plan import ParallelPlan, default_plan, validate_plan
@@ -147,24 +172,23 @@ def _names(value: str | None, what: str) -> tuple[str, ...] | None:
 
 
 def parse_counts(value: str | None, max_boxes: int | None) -> tuple[int, ...]:
-    """Box counts from --boxes ('16', '4,8,16', '8-16') and --max-boxes."""
-    if max_boxes is not None and max_boxes < 1:
-        raise ShardwiseError(f"--max-boxes must be >= 1, got {max_boxes}")
+    """Box counts from --boxes ('16', '4,8,16', '8-16') and --max-boxes, each in 1..MAX_SWEEP_BOXES
+    (checked before a range is expanded)."""
+    if max_boxes is not None and not 1 <= max_boxes <= MAX_SWEEP_BOXES:
+        raise ShardwiseError(f"--max-boxes must be in 1..{MAX_SWEEP_BOXES}, got {max_boxes}")
     if value is None:
         return tuple(range(1, (max_boxes or DEFAULT_MAX_BOXES) + 1))
     counts: set[int] = set()
     for part in value.split(","):
         part = part.strip()
         try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                counts.update(range(lo, hi + 1))
-            else:
-                counts.add(int(part))
+            lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
         except ValueError:
             raise ShardwiseError(f"--boxes '{value}' must be counts like 16, 4,8,16 or 8-16") from None
-    if not counts or min(counts) < 1:
-        raise ShardwiseError(f"--boxes '{value}' must name counts >= 1")
+        if not 1 <= lo <= hi <= MAX_SWEEP_BOXES:
+            within = "" if part == value.strip() else f" (in '{value}')"
+            raise ShardwiseError(f"--boxes {part}{within} must be a count or a rising range within 1..{MAX_SWEEP_BOXES}")
+        counts.update(range(lo, hi + 1))
     if max_boxes is not None:
         kept = {c for c in counts if c <= max_boxes}
         if not kept:
@@ -204,8 +228,7 @@ def build_request(
         get_format(e)
     get_profile(runtime)
     for name, value in (("budget", budget), ("max-watts", max_watts), ("min-tok-per-s", min_tok_per_s)):
-        if value is not None and value <= 0:
-            raise ShardwiseError(f"--{name} must be > 0, got {value:g}")
+        check_number(name, value)
     if context < 1:
         raise ShardwiseError(f"--context must be >= 1 token, got {context}")
     if prompt_tokens < 1:

@@ -29,7 +29,7 @@
 
 from __future__ import annotations
 
-import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -38,10 +38,13 @@ import msgspec
 from msgspec import Meta, Struct
 
 from shardwise.errors import ShardwiseError, validation_message
+from shardwise.spec.parse import read_json
 
 SWEEP_ROW_KEYS = ("model", "box", "boxes", "link", "tp", "ep", "pp", "tok_per_s", "usd", "watts", "bottleneck")
 
-Seconds = Annotated[float, Meta(ge=0)]
+NonNegative = Annotated[float, Meta(ge=0, le=sys.float_info.max)]  # finite: NaN and inf are refused
+Seconds = NonNegative
+Positive = Annotated[float, Meta(gt=0, le=sys.float_info.max)]
 Count = Annotated[int, Meta(ge=1)]
 
 
@@ -69,8 +72,8 @@ class RunDocument(Struct, frozen=True, kw_only=True):
 
     kind: Literal["bench", "trace"]
     model: Annotated[str, Meta(min_length=1)]
-    predicted_tok_per_s: Annotated[float, Meta(gt=0)] | None = None
-    measured_tok_per_s: Annotated[float, Meta(gt=0)]
+    predicted_tok_per_s: Positive | None = None
+    measured_tok_per_s: Positive
     source: str = ""
     box: str | None = None
     boxes: Count | None = None
@@ -92,6 +95,98 @@ class RunDocument(Struct, frozen=True, kw_only=True):
             if key in seen:
                 raise ValueError(f"layer {entry.layer} rank {entry.rank} is listed twice")
             seen.add(key)
+
+
+class SweepRow(Struct, frozen=True):
+    """The fields of a ``shardwise sweep --json`` row the report draws (other keys ignored)."""
+
+    model: str
+    box: str
+    boxes: Count
+    link: str
+    tp: Count
+    ep: Count
+    pp: Count
+    tok_per_s: Positive
+    usd: NonNegative
+    watts: Positive
+    bottleneck: str
+
+
+class _Step(Struct, frozen=True):
+    step: str
+    tok_per_s: Positive
+    cause: str
+
+
+class _CurvePoint(Struct, frozen=True):
+    batch: Count
+    tok_per_s: Positive
+    aggregate_tok_per_s: Positive
+
+
+class _Decode(Struct, frozen=True):
+    waterfall: Annotated[tuple[_Step, ...], Meta(min_length=1)]
+    tok_per_s: Positive
+    compute_s: Positive
+    memory_s: Positive
+    step_s: Positive
+    collective_s: Seconds
+    per_layer_s: tuple[Seconds, ...]
+    batch_curve: Annotated[tuple[_CurvePoint, ...], Meta(min_length=1)] | None = None
+    compute_bound_from_batch: Count | None = None
+
+
+class _Memory(Struct, frozen=True):
+    weights_bytes: Positive
+    kv_bytes: NonNegative
+    workspace_bytes: NonNegative
+    reserve_bytes: NonNegative
+    free_bytes: Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+    box_bytes: Positive
+    context_tokens: Count
+    max_batch: Annotated[int, Meta(ge=0)]
+
+
+class _Model(Struct, frozen=True):
+    name: str
+
+
+class _Cluster(Struct, frozen=True):
+    box: str
+    boxes: Count
+    memory_bandwidth_gbps: Positive
+    tflops_bf16: Positive | None = None
+
+
+class _Layout(Struct, frozen=True):
+    layout: str
+    runtime: str
+    tp: Count
+    pp: Count
+
+
+class _Prefill(Struct, frozen=True):
+    prompt_tokens: Count
+    tok_per_s: Positive
+
+
+class _Cost(Struct, frozen=True):
+    total_usd: NonNegative
+
+
+class PlanDocument(Struct, frozen=True):
+    """The fields of a ``shardwise plan --json`` document the report draws, typed, so that a
+    hand-edited one fails in one line (other keys ignored; the report reads the dict)."""
+
+    model: _Model
+    cluster: _Cluster
+    plan: _Layout
+    decode: _Decode
+    prefill: _Prefill
+    memory: _Memory
+    power: dict
+    cost: _Cost
 
 
 @dataclass
@@ -119,11 +214,19 @@ def classify(doc, where: str):
             missing = [k for k in SWEEP_ROW_KEYS if not isinstance(row, dict) or k not in row]
             if missing:
                 raise ShardwiseError(f"{where}: sweep row {i} lacks {', '.join(missing)}; write it with `shardwise sweep --json`")
+            try:
+                msgspec.convert(row, SweepRow)
+            except msgspec.ValidationError as exc:
+                raise ShardwiseError(f"{where}: sweep row {i}: {validation_message(exc)}; write it with `shardwise sweep --json`") from None
         return "sweep", doc
     if isinstance(doc, dict) and isinstance(doc.get("decode"), dict) and "waterfall" in doc["decode"]:
         for key in ("model", "cluster", "plan", "memory", "prefill", "power", "cost"):
             if key not in doc:
                 raise ShardwiseError(f"{where}: plan document lacks '{key}'; write it with `shardwise plan --json`")
+        try:
+            msgspec.convert(doc, PlanDocument)
+        except msgspec.ValidationError as exc:
+            raise ShardwiseError(f"{where}: plan document: {validation_message(exc)}; write it with `shardwise plan --json`") from None
         return "plan", doc
     if isinstance(doc, dict) and doc.get("kind") in ("bench", "trace"):
         try:
@@ -141,13 +244,7 @@ def load_inputs(paths: list[str | Path]) -> Inputs:
     found = Inputs(sources={})
     for path in paths:
         path = Path(path)
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ShardwiseError(f"{path}: cannot read ({exc.strerror})") from None
-        except json.JSONDecodeError as exc:
-            raise ShardwiseError(f"{path}: not valid JSON (line {exc.lineno}): {exc.msg}") from None
-        kind, value = classify(doc, str(path))
+        kind, value = classify(read_json(path, "report input"), str(path))
         if getattr(found, kind) is not None:
             raise ShardwiseError(f"two {kind} documents given ({found.sources[kind]}, {path}): pass one")
         setattr(found, kind, value)

@@ -15,6 +15,8 @@ Both return this rank's partial o_proj output; the decoder layer all-reduces it.
 input sits at its own positions ``positions[i]`` and reads and writes cache slot ``slots[i]``;
 its attention then runs alone, exactly as a one-row call at those positions in that slot would
 (the same kernel shapes, so the same bits), and only the projections run on every row at once.
+``per_slot`` (that row loop) and ``full_attention`` (the static full-attention cache) serve
+``qwen3_5.GatedAttention`` and the linear-attention mixers too.
 """
 
 from __future__ import annotations
@@ -119,6 +121,37 @@ def attend(
     return torch.cat(rows, dim=1)
 
 
+def per_slot(run, slots: list[int], positions: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    """Continuous batching: ``run(*row_i, positions[i], slice(slots[i], slots[i] + 1))`` for each
+    row i of ``tensors`` (sliced ``[i : i + 1]``) at its positions ``positions[i]`` [T] in cache
+    slot ``slots[i]``, each alone — the shapes a one-row call has — concatenated along rows."""
+    rows = [run(*(t[i : i + 1] for t in tensors), positions[i], slice(s, s + 1)) for i, s in enumerate(slots)]
+    return torch.cat(rows)
+
+
+def full_attention(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    rows: slice,
+    scaling: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write k, v [b, kv, T, d] at ``positions`` [T] (index = position) into rows ``rows`` of the
+    static caches [max_batch, kv, S, d] and attend q [b, H, T, d] (H a multiple of kv: each KV head
+    serves H / kv query heads) over those rows' keys ``0..positions[-1]`` → [b, T, H·d]."""
+    start, end = int(positions[0]), int(positions[-1]) + 1
+    k_cache[rows, :, start:end] = k
+    v_cache[rows, :, start:end] = v
+    groups = q.shape[1] // k.shape[1]
+    keys = k_cache[rows, :, :end].repeat_interleave(groups, dim=1)
+    values = v_cache[rows, :, :end].repeat_interleave(groups, dim=1)
+    return attend(q, keys, values, positions, None, scaling, sinks)
+
+
 class GQAttention(nn.Module):
     """Grouped-query attention over this rank's heads, static KV cache [max_batch, kv_local, S, d]
     (one row per cache slot: per sequence).
@@ -187,21 +220,14 @@ class GQAttention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if slots is None:
             return self.o_proj(self._cached(q, k, v, positions, slice(0, b)))
-        rows = [self._cached(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i], slice(s, s + 1))
-                for i, s in enumerate(slots)]
-        return self.o_proj(torch.cat(rows))
+        return self.o_proj(per_slot(self._cached, slots, positions, q, k, v))
 
     def _cached(self, q, k, v, positions: torch.Tensor, rows: slice) -> torch.Tensor:
         """Write k, v [b, kv, T, d] at ``positions`` [T] into cache rows ``rows`` and attend
         q [b, H, T, d] over those rows' keys → [b, T, H·d]."""
-        start, end = int(positions[0]), int(positions[-1]) + 1
-        if self.window is not None:
-            return self._sliding(q, k, v, positions, rows, start, end)
-        self.k_cache[rows, :, start:end] = k
-        self.v_cache[rows, :, start:end] = v
-        keys = self.k_cache[rows, :, :end].repeat_interleave(self.groups, dim=1)
-        values = self.v_cache[rows, :, :end].repeat_interleave(self.groups, dim=1)
-        return attend(q, keys, values, positions, self.window, self.scaling, self.sinks)
+        if self.window is None:
+            return full_attention(self.k_cache, self.v_cache, q, k, v, positions, rows, self.scaling, self.sinks)
+        return self._sliding(q, k, v, positions, rows, int(positions[0]), int(positions[-1]) + 1)
 
     def _sliding(self, q, k, v, positions, rows: slice, start: int, end: int) -> torch.Tensor:
         """Attention over the ring's window before ``start`` plus this call's keys; then the
@@ -300,9 +326,7 @@ class MLAttention(nn.Module):
         query = torch.cat([q_pass, q_rot], dim=-1)
         if slots is None:
             return self.o_proj(self._cached(query, new, positions, slice(0, b)))
-        rows = [self._cached(query[i : i + 1], new[i : i + 1], positions[i], slice(s, s + 1))
-                for i, s in enumerate(slots)]
-        return self.o_proj(torch.cat(rows))
+        return self.o_proj(per_slot(self._cached, slots, positions, query, new))
 
     def _cached(self, query: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
         """Write latents ``new`` [b, T, rank + rope] at ``positions`` [T] into cache rows ``rows``

@@ -21,7 +21,9 @@ head, ``out_proj`` row-parallel (the decoder layer's one all-reduce); the norm w
 
 Prefill (a call at position 0) uses the chunked form (``chunk_gated_delta_rule``, chunks of
 64 as transformers' ``torch_chunk_gated_delta_rule``), every other call the recurrent form
-position by position (``recurrent_step``); the state lives in a ``linear_state.LinearStateCache``.
+position by position (``recurrent_step``); the state lives in a ``linear_state.LinearStateCache``,
+per cache slot. Called with ``slots`` (continuous batching), each row runs that protocol alone in
+its own slot from its own first position, exactly as a one-row call would.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.plan import shard_spans
+from shardwise.runtime.attention import per_slot
 from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, shard_param
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv
 from shardwise.spec.mixers import LinearAttentionSpec
@@ -171,11 +174,26 @@ class GatedDeltaNet(nn.Module):
         y, window = causal_conv(qkv.transpose(1, 2), window, self.conv1d.weight[:, 0])
         return F.silu(y.to(qkv.dtype)).float().transpose(1, 2).contiguous(), window
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope=None,
+                slots: list[int] | None = None) -> torch.Tensor:
+        """x [B, T, hidden] at ``positions`` [T] in cache slots 0..B-1, or, with ``slots``, at
+        ``positions`` [B, T] in cache slots ``slots``: the projections run on every row at once,
+        the state protocol on each row alone, as a one-row call would (``per_slot``)."""
         bsz, n, _ = x.shape
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(bsz, n, self.v_heads, self.dv)
         b, a = self.in_proj_b(x), self.in_proj_a(x)
+        if slots is None:
+            core = self._mix(qkv, a, b, positions, slice(0, bsz))
+        else:
+            core = per_slot(self._mix, slots, positions, qkv, a, b)
+        out = self.norm(core.to(x.dtype), z).reshape(bsz, n, -1)
+        return self.out_proj(out)
+
+    def _mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, positions: torch.Tensor,
+             rows: slice) -> torch.Tensor:
+        """The delta rule over ``qkv`` [b, T, C], ``a`` / ``b`` [b, T, H_v] (projection outputs) at
+        ``positions`` [T] in cache slots ``rows`` → [b, T, H_v, d_v] float32."""
 
         def chunked(state, window):
             y, window = self._conv(qkv, window)
@@ -189,6 +207,4 @@ class GatedDeltaNet(nn.Module):
             out, state = recurrent_step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0])
             return out[:, None], state, window
 
-        core = self.state.run(int(positions[0]), bsz, n, chunked, step)  # [B, n, H_v, d_v] float32
-        out = self.norm(core.to(x.dtype), z).reshape(bsz, n, -1)
-        return self.out_proj(out)
+        return self.state.run(int(positions[0]), rows, qkv.shape[1], chunked, step)

@@ -8,6 +8,7 @@ rank picks the same token without an extra broadcast.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ShardwiseError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ShardwiseError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ShardwiseError(f"--top-p must be in (0, 1], got {self.top_p}")
 
@@ -90,23 +91,44 @@ class _Picker:
         return int(torch.multinomial(probs, 1, generator=self.gen)[0])
 
 
-def check_request(model, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-    """Raise a one-line ShardwiseError for an empty prompt, ids outside the vocabulary, or
-    a prompt + new tokens that do not fit the model's KV cache."""
+def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size: int, max_len: int, limit: str) -> None:
+    """Raise a one-line ShardwiseError for an empty prompt, ids outside ``vocab_size``, fewer than one new
+    token, or a prompt + new tokens longer than ``max_len`` (0: no limit), which ``limit`` names."""
     if not prompt_ids:
         raise ShardwiseError("the prompt is empty: pass at least one token")
     if max_new_tokens < 1:
         raise ShardwiseError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    total = len(prompt_ids) + max_new_tokens
-    if total > model.max_seq_len:
-        raise ShardwiseError(
-            f"prompt ({len(prompt_ids)}) + max new tokens ({max_new_tokens}) = {total} exceeds the "
-            f"KV cache of {model.max_seq_len} tokens"
-        )
-    vocab = model.spec.vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ShardwiseError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        raise ShardwiseError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+    total = len(prompt_ids) + max_new_tokens
+    if max_len and total > max_len:
+        room = max_len - len(prompt_ids)
+        fix = f"pass --max-new-tokens {room} or fewer" if room >= 1 else "shorten the prompt"
+        raise ShardwiseError(
+            f"prompt ({len(prompt_ids)}) + max new tokens ({max_new_tokens}) = {total} exceeds {max_len} tokens "
+            f"({limit}): {fix}"
+        )
+
+
+def max_positions(spec) -> tuple[int, str]:
+    """(the most positions ``spec`` is made for, what sets it): ``max_position_embeddings``, or a YaRN
+    rope scaling's ``original_max_position_embeddings`` × ``factor`` where that is more (a config
+    extended for long context); 0 when the config says neither."""
+    from shardwise.runtime.layers import rope_parameters
+
+    limit = (spec.max_position_embeddings, f"{spec.name}'s max_position_embeddings")
+    params = rope_parameters(spec.config)
+    original, factor = params.get("original_max_position_embeddings"), params.get("factor")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1e9 for x in (original, factor))
+    if params["rope_type"] == "yarn" and numbers and int(original * factor) > limit[0]:
+        return int(original * factor), f"{spec.name}'s YaRN original_max_position_embeddings {original} × factor {factor}"
+    return limit
+
+
+def check_request(model, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """``check_prompt`` against ``model``'s vocabulary and KV cache."""
+    check_prompt(prompt_ids, max_new_tokens, model.spec.vocab_size, model.max_seq_len, "the KV cache")
 
 
 @torch.no_grad()

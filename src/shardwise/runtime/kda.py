@@ -29,7 +29,9 @@ State per sequence and rank: the float32 state ``heads/tp × d_k × d_v`` and th
 snapshot at ``start``; built for speculative decoding (``max_step_tokens`` > 1) it keeps a snapshot
 per position of the last pass, so a rejected draft's update is simply never read — the next pass
 restarts at the accepted length. Prefill (a call at 0) runs the chunked form, every other call
-``kda_step`` position by position, which makes a verify pass bit-identical to single steps.
+``kda_step`` position by position, which makes a verify pass bit-identical to single steps. The
+state is kept per cache slot: called with ``slots`` (continuous batching), each row runs that
+protocol alone in its own slot from its own first position, exactly as a one-row call would.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.runtime.attention import per_slot
 from shardwise.runtime.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Shard, shard_param
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv
 from shardwise.spec.model import TensorSpec
@@ -142,12 +145,27 @@ class KimiDeltaAttention(nn.Module):
         g = log_decay(f, self.A_log, self.dt_bias, self.head_dim)
         return q, k, v.float().reshape(shape), g, torch.sigmoid(braw).float()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope=None,
+                slots: list[int] | None = None) -> torch.Tensor:
+        """x [B, T, hidden] at ``positions`` [T] in cache slots 0..B-1, or, with ``slots``, at
+        ``positions`` [B, T] in cache slots ``slots``: the projections run on every row at once,
+        the state protocol on each row alone, as a one-row call would (``attention.per_slot``)."""
         b, n, _ = x.shape
         inputs = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).transpose(1, 2)  # [b, C, n]
         f = self.f_b_proj(self.f_a_proj(x))
         braw = self.b_proj(x)
         gate = self.g_b_proj(self.g_a_proj(x))
+        if slots is None:
+            out = self._mix(inputs, f, braw, positions, slice(0, b))
+        else:
+            out = per_slot(self._mix, slots, positions, inputs, f, braw)
+        return self.o_proj(self._gated_norm(out.to(x.dtype), gate).reshape(b, n, self.width))
+
+    def _mix(self, inputs: torch.Tensor, f: torch.Tensor, braw: torch.Tensor, positions: torch.Tensor,
+             rows: slice) -> torch.Tensor:
+        """The recurrence over conv inputs ``inputs`` [b, C, T], forget-gate and beta projections
+        ``f`` [b, T, H·d_k], ``braw`` [b, T, H] at ``positions`` [T] in cache slots ``rows`` →
+        [b, T, H, d_v] float32."""
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0]
 
         def chunked(state, window):  # prefill: every position at once, one snapshot at the end
@@ -160,8 +178,7 @@ class KimiDeltaAttention(nn.Module):
             out, state = kda_step(*self._prepare(y[:, :, 0], f[:, i], braw[:, i]), state)
             return out[:, None], state, window
 
-        out = self.state.run(int(positions[0]), b, n, chunked, step)  # [b, n, heads, d_v] float32
-        return self.o_proj(self._gated_norm(out.to(x.dtype), gate).reshape(b, n, self.width))
+        return self.state.run(int(positions[0]), rows, inputs.shape[-1], chunked, step)
 
     def _gated_norm(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's d_v (float32), times sigmoid(gate), in the run dtype."""

@@ -49,7 +49,7 @@ _GRACE_S = 2.0  # after the first failure, time (s) for the other ranks to repor
 _VERDICT_WAIT_S = 2.0  # a rank whose collective failed waits this long (s) to learn which peer failed
 _TERM_WAIT_S = 3.0  # time (s) between SIGTERM and SIGKILL when stopping a rank
 _WATCHDOG_PERIOD_S = 0.5  # how often (s) a rank checks that its launcher is still alive and sends a heartbeat
-FROZEN_S = 15.0  # a rank that sent no heartbeat for this long (s) is frozen (SIGSTOP, starved): the run fails
+FROZEN_S = 10.0  # a rank that sent no heartbeat for this long (s) is frozen (SIGSTOP, starved): the run fails
 _FIRST_BEAT_S = 60.0  # time (s) a starting rank may take (imports) before its first heartbeat
 
 
@@ -110,9 +110,11 @@ def _watch_launcher(rank: int, parent_pid: int, ctl: Connection, conn: Connectio
     in a collective keeps sending them, so the launcher can tell which rank stopped)."""
     while True:
         with _exit_lock:
+            if conn.closed:  # the rank finished and is exiting
+                return
             try:
                 conn.send(("beat",))
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # the launcher is gone
                 os._exit(1)
         try:
             ready = ctl.poll(_WATCHDOG_PERIOD_S)
@@ -170,9 +172,10 @@ def _rank_main(
         if comm:  # most likely a peer died: the watchdog exits this rank if the launcher says which
             time.sleep(_VERDICT_WAIT_S)
         text = one_line(exc)
-        _report_and_exit(conn, ("error", "comm" if comm else "own", text),
-                         f"[shardwise rank {rank}] {traceback.format_exc()}")
-    conn.close()
+        detail = f"{exc}\n" if isinstance(exc, ShardwiseError) else traceback.format_exc()  # input errors: one line
+        _report_and_exit(conn, ("error", "comm" if comm else "own", text), f"[shardwise rank {rank}] {detail}")
+    with _exit_lock:  # not while the watchdog sends a heartbeat
+        conn.close()
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -339,10 +342,15 @@ class _Supervisor:
 
 
 def _stop(procs: list) -> None:
-    """Terminate (SIGTERM, then SIGKILL after a grace time) and reap every live process."""
+    """Terminate (SIGTERM, then SIGKILL after a grace time) and reap every live process; a stopped
+    one (SIGSTOP) is continued too, so that it handles the SIGTERM at once instead of at the SIGKILL."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+            try:
+                os.kill(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:  # it exited meanwhile
+                pass
     give_up = time.monotonic() + _TERM_WAIT_S
     for proc in procs:
         proc.join(max(0.0, give_up - time.monotonic()))
@@ -376,7 +384,8 @@ def launch_local(
 
     If a rank raises, exits or is killed, the others are stopped (SIGTERM, then SIGKILL
     after 3 s) and ``RankFailure`` (a ``ShardwiseError``) names the first failed rank
-    with its exception text or exit code; the rank's traceback goes to stderr. The same
+    with its exception text or exit code; the rank's traceback goes to stderr (a ShardwiseError's
+    message alone: an input error is one line). The same
     happens, naming no rank, when ``run_timeout_s`` (s, None for no limit) elapses.
     """
     check_backend(backend)

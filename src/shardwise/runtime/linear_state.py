@@ -6,29 +6,33 @@ rule) and the window of its short causal convolution (the last ``kernel − 1`` 
 convolved channels, ``conv_channels/tp``, in the run dtype like transformers' and vLLM's conv
 state).
 
-``LinearStateCache`` holds them as ``slots`` snapshots indexed by position (``state_slots``:
-1 for plain decoding, ``max_step_tokens + 1`` when passes of up to ``max_step_tokens``
-positions may be rolled back, the same rule as ``kda.StateRing``): slot ``p mod slots`` holds
-the state **at** position p, i.e. after positions ``< p``. A call at ``start`` reads the
-snapshot at ``start`` (zeros at 0: a new sequence) and writes one snapshot per position it
-runs, so a later call may restart anywhere in the last ``slots`` positions — what speculative
-decoding needs: a verify pass of k + 1 positions (built with ``max_step_tokens >= k + 1``)
-leaves the states of every one of them, the next pass starts at the accepted length and reads
-that position's snapshot; rejected drafts' updates are never read again (like keys past a
-query's position in the static KV cache). A draft model, which writes its drafts one step at a
-time and is rolled back up to ``k − 1`` of them, restarts the same way; so may a pass that
-re-runs the last ``max_step_tokens`` positions from their start. A chunked prefill from
-position 0 writes only its final state, so no later call may restart inside a prefill (none
-does). The conv inputs are kept once per position, in a ring of ``kernel − 1 + slots − 1``
-positions: the window of every held position. Bytes per layer and sequence on a rank:
-``slots · state · 4 + (kernel − 2 + slots) · conv_channels · run-dtype bytes``.
+``LinearStateCache`` holds them for ``max_batch`` cache slots (one per sequence, as the KV
+caches' rows), each as ``snapshots`` states indexed by position (``state_slots``: 1 for plain
+decoding, ``max_step_tokens + 1`` when passes of up to ``max_step_tokens`` positions may be
+rolled back): snapshot ``p mod snapshots`` holds the state **at** position p, i.e. after
+positions ``< p``. A call at ``start`` reads the snapshot at ``start`` (zeros at 0: a new
+sequence, whatever the slot held before) and writes one snapshot per position it runs, so a
+later call may restart anywhere in the last ``snapshots`` positions — what speculative decoding
+needs: a verify pass of k + 1 positions (built with ``max_step_tokens >= k + 1``) leaves the
+states of every one of them, the next pass starts at the accepted length and reads that
+position's snapshot; rejected drafts' updates are never read again (like keys past a query's
+position in the static KV cache). A draft model, which writes its drafts one step at a time and
+is rolled back up to ``k − 1`` of them, restarts the same way; so may a pass that re-runs the
+last ``max_step_tokens`` positions from their start. A chunked prefill from position 0 writes
+only its final state, so no later call may restart inside a prefill (none does). The conv
+inputs are kept once per position, in a ring of ``kernel − 1 + snapshots − 1`` positions: the
+window of every held position. Which positions a slot holds is kept per slot, so sequences in
+different slots move independently (continuous batching). Bytes per layer and sequence on a
+rank: ``snapshots · state · 4 + (kernel − 2 + snapshots) · conv_channels · run-dtype bytes``.
 
-``run(start, batch, n, chunked, step)`` is the whole protocol for a mixer: a call at 0 goes
-through ``chunked`` (the chunked form over all n positions, one snapshot at the end); any
-other call goes through ``step`` position by position (the recurrent form, one snapshot per
-position). Running every position past a prefill through the same one-position function is
-what makes a verify pass compute bit for bit what single decode steps compute (see
-``runtime.exact``), so greedy speculative output equals plain greedy output.
+``run(start, rows, n, chunked, step)`` is the whole protocol for a mixer over the cache slots
+``rows`` (all at the same positions): a call at 0 goes through ``chunked`` (the chunked form
+over all n positions, one snapshot at the end); any other call goes through ``step`` position
+by position (the recurrent form, one snapshot per position). Running every position past a
+prefill through the same one-position function is what makes a verify pass compute bit for
+bit what single decode steps compute (see ``runtime.exact``), so greedy speculative output
+equals plain greedy output. A mixer called with per-row slots and positions runs ``run`` once
+per row, on that row alone, as a one-row call would.
 
 ``causal_conv`` is the depthwise short convolution (Gated DeltaNet's), written as ``kernel``
 elementwise multiply-adds so that each output element is computed the same way whatever
@@ -46,20 +50,19 @@ from shardwise.errors import ShardwiseError
 from shardwise.spec.mixers import state_slots  # the planner's formula: one for both
 
 State = tuple[torch.Tensor, torch.Tensor]
-"""(recurrent state [B, *state_shape] float32, conv window [B, channels, kernel - 1]: the conv
+"""(recurrent state [b, *state_shape] float32, conv window [b, channels, kernel - 1]: the conv
 inputs of the kernel - 1 positions before)."""
 
 
 class LinearStateCache(nn.Module):
-    """``slots`` snapshots of one layer's recurrent state and the conv inputs behind them, for
-    ``max_batch`` sequences on this rank (see the module docstring).
+    """``snapshots`` snapshots of one layer's recurrent state and the conv inputs behind them, for
+    each of ``max_batch`` cache slots on this rank (see the module docstring).
 
-    Buffers: ``state_cache`` [slots, B, *state_shape] float32, slot ``p mod slots`` the state at
-    position p; ``conv_cache`` [B, channels, kernel - 1 + slots - 1] in ``conv_dtype``, slot
-    ``p mod width`` the conv input of position p — enough for the window (the ``kernel - 1``
-    inputs before it) of every held position. Bytes: ``slots · state + (kernel - 2 + slots) ·
-    channels · conv bytes``, as ``kda.StateRing``'s. States at positions ``low..high`` are held
-    (every batch row shares the positions)."""
+    Buffers (row s: cache slot s): ``state_cache`` [max_batch, snapshots, *state_shape] float32,
+    snapshot ``p mod snapshots`` the state at position p; ``conv_cache`` [max_batch, channels,
+    kernel - 1 + snapshots - 1] in ``conv_dtype``, column ``p mod width`` the conv input of
+    position p — enough for the window (the ``kernel - 1`` inputs before it) of every held
+    position. ``held[s]`` = (low, high): slot s holds the states at positions ``low..high``."""
 
     def __init__(
         self,
@@ -73,71 +76,79 @@ class LinearStateCache(nn.Module):
         super().__init__()
         if max_step_tokens < 1:
             raise ShardwiseError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
-        self.slots = state_slots(max_step_tokens)
+        self.snapshots = state_slots(max_step_tokens)
         self.register_buffer(
-            "state_cache", torch.zeros((self.slots, max_batch, *state_shape), dtype=torch.float32), persistent=False
+            "state_cache", torch.zeros((max_batch, self.snapshots, *state_shape), dtype=torch.float32),
+            persistent=False,
         )
         self.taps = conv_kernel - 1
         self.register_buffer(
-            "conv_cache", torch.zeros((max_batch, conv_channels, self.taps + self.slots - 1), dtype=conv_dtype),
+            "conv_cache", torch.zeros((max_batch, conv_channels, self.taps + self.snapshots - 1), dtype=conv_dtype),
             persistent=False,
         )
-        self.low = self.high = 0
+        self.held = [(0, 0)] * max_batch
 
     def _columns(self, end: int) -> torch.Tensor:
         """Ring columns of the conv inputs of positions ``end - taps .. end - 1``."""
         return torch.arange(end - self.taps, end, device=self.conv_cache.device) % self.conv_cache.shape[-1]
 
-    def read(self, start: int, batch: int) -> State:
-        """(state, window) at position ``start`` for the first ``batch`` sequences: fresh zeros at
-        0, else the state snapshot (a view, valid until the next ``write``) and the conv inputs
-        of the ``kernel - 1`` positions before ``start`` (zeros before position 0). Snapshots past
-        ``start`` are dropped (rolled back)."""
+    def read(self, start: int, rows: slice) -> State:
+        """(state, window) at position ``start`` of cache slots ``rows``: fresh zeros at 0 (the slots
+        start afresh), else the state snapshot (a view, valid until the next ``write``) and the conv
+        inputs of the ``kernel - 1`` positions before ``start`` (zeros before position 0). Snapshots
+        past ``start`` are dropped (rolled back)."""
+        b = rows.stop - rows.start
         if start == 0:
-            self.low = self.high = 0
-            window = self.conv_cache.new_zeros((batch, self.conv_cache.shape[1], self.taps))
-            return torch.zeros_like(self.state_cache[0, :batch]), window
-        if not self.low <= start <= self.high:
-            raise ShardwiseError(
-                f"the linear-attention state at position {start} is no longer held (held: {self.low}..{self.high}, "
-                f"{self.slots} snapshots): build the model with a larger max_step_tokens"
-            )
-        self.high = start
-        window = self.conv_cache[:batch, :, self._columns(start)]
+            self.held[rows] = [(0, 0)] * b
+            window = self.conv_cache.new_zeros((b, self.conv_cache.shape[1], self.taps))
+            return self.state_cache.new_zeros((b, *self.state_cache.shape[2:])), window
+        for slot in range(rows.start, rows.stop):
+            low, high = self.held[slot]
+            if not low <= start <= high:
+                raise ShardwiseError(
+                    f"the linear-attention state at position {start} is no longer held (held: {low}..{high}, "
+                    f"{self.snapshots} snapshots): build the model with a larger max_step_tokens"
+                )
+            self.held[slot] = (low, start)
+        window = self.conv_cache[rows, :, self._columns(start)]
         if start < self.taps:
             window[..., : self.taps - start] = 0
-        return self.state_cache[start % self.slots, :batch], window
+        return self.state_cache[rows, start % self.snapshots], window
 
-    def write(self, position: int, state: torch.Tensor, window: torch.Tensor) -> None:
-        """Hold ``state`` as the snapshot at ``position`` (after positions < position) and ``window``
-        [B, C, kernel - 1] as the conv inputs of the positions before it."""
-        self.state_cache[position % self.slots, : state.shape[0]].copy_(state)
-        self.conv_cache[: window.shape[0], :, self._columns(position)] = window
-        self.low = max(self.low, position - self.slots + 1) if position == self.high + 1 else position
-        self.high = position
+    def write(self, position: int, rows: slice, state: torch.Tensor, window: torch.Tensor) -> None:
+        """Hold ``state`` [b, ...] as the snapshot at ``position`` (after positions < position) of
+        cache slots ``rows`` and ``window`` [b, C, kernel - 1] as the conv inputs of the positions
+        before it."""
+        self.state_cache[rows, position % self.snapshots].copy_(state)
+        self.conv_cache[rows, :, self._columns(position)] = window
+        for slot in range(rows.start, rows.stop):
+            low, high = self.held[slot]
+            low = max(low, position - self.snapshots + 1) if position == high + 1 else position
+            self.held[slot] = (low, position)
 
     def run(
         self,
         start: int,
-        batch: int,
+        rows: slice,
         n: int,
         chunked: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         step: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Outputs [B, n, ...] of positions ``start..start+n-1``, keeping the snapshots.
+        """Outputs [b, n, ...] of positions ``start..start+n-1`` in cache slots ``rows``, keeping the
+        snapshots.
 
-        ``chunked(state, window) -> (out [B, n, ...], state, window)`` runs all n positions at
-        once (used from position 0); ``step(i, state, window) -> (out [B, 1, ...], state,
+        ``chunked(state, window) -> (out [b, n, ...], state, window)`` runs all n positions at
+        once (used from position 0); ``step(i, state, window) -> (out [b, 1, ...], state,
         window)`` runs the call's i-th position (every other call)."""
-        state, window = self.read(start, batch)
+        state, window = self.read(start, rows)
         if start == 0:
             out, state, window = chunked(state, window)
-            self.write(n, state, window)
+            self.write(n, rows, state, window)
             return out
         outs = []
         for i in range(n):
             out, state, window = step(i, state, window)
-            self.write(start + i + 1, state, window)
+            self.write(start + i + 1, rows, state, window)
             outs.append(out)
         return outs[0] if n == 1 else torch.cat(outs, dim=1)
 

@@ -24,13 +24,17 @@ its rows or whole blocks under expert tensor parallelism — without decoding an
 float parameter whose weight is packed on disk (a quantized attention or dense Linear) is
 read as its packed slice and decoded once.
 
-``check_checkpoint`` validates every tensor's presence, shape and (for packed tensors)
-dtype from the headers alone before any weight is read.
+Before any weight is read, every file's header is checked against the file
+(``runtime.safetensors_header``) and ``check_checkpoint`` checks the tensors against the config
+from the headers alone: each expected tensor present, with its shape and dtype (float weights a
+float type, packed ones uint8), and no tensor the model does not use (beyond the few that are
+rightly left unread, ``_NOT_WEIGHTS``). Each float slice is checked for NaN/Inf as it is read.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -44,6 +48,7 @@ from shardwise.plan import ParallelPlan, local_experts, shard_slice
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE
 from shardwise.runtime.mxfp4_matmul import decode
 from shardwise.runtime.packed_weights import BLOCKS, SCALES, Quantization, quantization
+from shardwise.runtime.safetensors_header import FIX, TensorHeader, read_header
 from shardwise.runtime.stored_names import stored_name
 from shardwise.spec.model import ModelSpec, TensorSpec
 from shardwise.spec.parse import load_model
@@ -62,9 +67,18 @@ _SAFETENSORS_DTYPES = {
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The stored dtypes a float (not packed) weight may have; the finiteness check covers them."""
+_FLOAT_NAMES = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
+
 
 class Checkpoint:
-    """The tensors of a safetensors checkpoint folder: names, shapes and sliced reads."""
+    """The tensors of a safetensors checkpoint folder: names, shapes and sliced reads.
+
+    Every file's header is read and checked (``safetensors_header.read_header``) when the
+    checkpoint is opened, so shapes and dtypes come from the checked headers and a corrupt
+    file is refused before any tensor is read; every float slice read is checked for NaN/Inf.
+    """
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -72,24 +86,39 @@ class Checkpoint:
         single = self.folder / SINGLE_FILE
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ShardwiseError(f"'{index}' is not a safetensors index (no 'weight_map')") from None
-            self.files = {name: self.folder / file for name, file in weight_map.items()}
+                weight_map = json.loads(index.read_bytes())["weight_map"]
+                self.files = {name: self.folder / file for name, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                raise ShardwiseError(
+                    f"'{index}' is not a safetensors index (a JSON object with a 'weight_map' of tensor name "
+                    f"to file name): {FIX}"
+                ) from None
+            self._headers = self._indexed_headers(index)
         elif single.exists():
-            self.files = {}
-            with safe_open(single, framework="pt") as f:
-                self.files = dict.fromkeys(f.keys(), single)
+            self._headers = read_header(single)
+            self.files = dict.fromkeys(self._headers, single)
         else:
             raise ShardwiseError(
                 f"no {SINGLE_FILE} or {INDEX_FILE} in '{self.folder}': the runtime loads safetensors checkpoints only"
             )
-        for path in set(self.files.values()):
-            if not path.exists():
-                raise ShardwiseError(f"checkpoint file '{path}' listed in {INDEX_FILE} does not exist")
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def _indexed_headers(self, index: Path) -> dict[str, TensorHeader]:
+        """The checked header entry of every tensor the index lists, from the file it names."""
+        by_file: dict[Path, list[str]] = {}
+        for name, path in self.files.items():
+            by_file.setdefault(path, []).append(name)
+        headers: dict[str, TensorHeader] = {}
+        for path, names in sorted(by_file.items()):
+            if not path.is_file():
+                raise ShardwiseError(f"checkpoint file '{path}' listed in {INDEX_FILE} does not exist")
+            header = read_header(path)
+            for name in names:
+                if name not in header:
+                    raise ShardwiseError(f"'{index}' maps tensor '{name}' to '{path}', which does not hold it: {FIX}")
+                headers[name] = header[name]
+        return headers
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -116,18 +145,26 @@ class Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name`` as stored."""
-        if name not in self._shapes:
-            self._shapes[name] = tuple(self._handle(name).get_slice(name).get_shape())
-        return self._shapes[name]
+        return self._headers[name].shape
 
     def dtype(self, name: str) -> str:
         """Stored dtype of tensor ``name`` as a torch name ('uint8', 'bfloat16', ...), from the header."""
-        raw = self._handle(name).get_slice(name).get_dtype()
+        raw = self._headers[name].dtype
         return _SAFETENSORS_DTYPES.get(raw, raw)
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """The slice ``index`` (one slice per leading dimension) of tensor ``name``."""
-        return self._handle(name).get_slice(name)[index]
+        """The slice ``index`` (one slice per leading dimension) of tensor ``name``; a one-line
+        ShardwiseError when a float slice holds NaN or Inf."""
+        data = self._handle(name).get_slice(name)[index]
+        # a sum is NaN/Inf when an element is (no temporary as large as the slice); then count them,
+        # since a float16 sum can also overflow with every element finite
+        bad = int((~torch.isfinite(data)).sum()) if data.dtype in FLOAT_DTYPES and not torch.isfinite(data.sum()) else 0
+        if bad:
+            raise ShardwiseError(
+                f"checkpoint tensor '{name}' in '{self.files[name]}' holds {bad:,} NaN/Inf value(s): the weights are "
+                f"corrupt, {FIX}"
+            )
+        return data
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -211,26 +248,60 @@ def _expected_packed(spec: ModelSpec, quant: Quantization) -> Iterator[tuple[str
                     yield name, part, shape
 
 
+_NOT_WEIGHTS = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^(model\.)?visual\.|^mtp\.")
+"""Stored tensors that are not the text model's weights and are rightly left unread: rotary
+tables older checkpoints saved, a multimodal wrapper's vision tower and Qwen3.5's
+multi-token-prediction head (the ModelSpec excludes both)."""
+
+
+def _not_a_weight(spec: ModelSpec, name: str, expected: set[str]) -> bool:
+    """True for a stored tensor the runtime rightly leaves unread (``_NOT_WEIGHTS``, a tied
+    ``lm_head.weight``, compressed-tensors' ``weight_shape``, DeepSeek-V3's nextn layers)."""
+    if _NOT_WEIGHTS.search(name) or (name == "lm_head.weight" and spec.tie_word_embeddings):
+        return True
+    if name.endswith(".weight_shape") and name.removesuffix("shape") + "packed" in expected:
+        return True
+    nextn = spec.config.get("num_nextn_predict_layers")
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return layer is not None and type(nextn) is int and spec.num_layers <= int(layer[1]) < spec.num_layers + nextn
+
+
 def check_checkpoint(spec: ModelSpec, ckpt: Checkpoint) -> None:
-    """Raise ShardwiseError naming the first tensor that is missing, mis-shaped or (packed
-    MXFP4 tensors) not uint8 — headers only."""
+    """Raise ShardwiseError naming the first tensor that is missing, mis-shaped, of the wrong
+    dtype (an integer where a float weight belongs; packed MXFP4 tensors not uint8) or not
+    part of the model the config describes — headers only."""
     quant = quantization(spec)
+    expected: set[str] = set()
     for src in _expected(spec, ckpt, quant):
         if src.name not in ckpt:
             raise ShardwiseError(f"checkpoint tensor '{src.name}' is missing (expected shape {_dims(src.shape)})")
         got = ckpt.shape(src.name)
         if got != src.shape:
             raise ShardwiseError(f"checkpoint tensor '{src.name}' has shape {_dims(got)}, expected {_dims(src.shape)}")
+        dtype = ckpt.dtype(src.name)
+        if dtype not in _FLOAT_NAMES:
+            raise ShardwiseError(
+                f"checkpoint tensor '{src.name}' has dtype {dtype}, expected a float weight "
+                f"({', '.join(_FLOAT_NAMES)}): {FIX}"
+            )
+        expected.add(src.name)
     for name, part, shape in _expected_packed(spec, quant):
-        expected = f"uint8 {quant.dims(part)} = {_dims(shape)}"
+        expected_text = f"uint8 {quant.dims(part)} = {_dims(shape)}"
         if name not in ckpt:
-            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' is missing (expected {expected})")
+            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' is missing (expected {expected_text})")
         dtype = ckpt.dtype(name)
         if dtype != "uint8":
-            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' has dtype {dtype}, expected {expected}")
+            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' has dtype {dtype}, expected {expected_text}")
         got = ckpt.shape(name)
         if got != shape:
-            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' has shape {_dims(got)}, expected {expected}")
+            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' has shape {_dims(got)}, expected {expected_text}")
+        expected.add(name)
+    extra = sorted(name for name in ckpt.files if name not in expected and not _not_a_weight(spec, name, expected))
+    if extra:
+        raise ShardwiseError(
+            f"checkpoint tensor '{extra[0]}' is not a weight of the {spec.model_type} model its config.json describes "
+            f"({len(extra)} such tensor(s)): the weights and the config disagree, use the config.json they were saved with"
+        )
 
 
 # ---------------------------------------------------------------------------- reading a shard

@@ -25,6 +25,7 @@ from torch import nn
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, validate_plan
 from shardwise.runtime.attention import GQAttention, MLAttention
+from shardwise.runtime.deltanet import GatedDeltaNet
 from shardwise.runtime.kda import KimiDeltaAttention
 from shardwise.runtime.layers import (
     RMSNorm,
@@ -37,8 +38,11 @@ from shardwise.runtime.layers import (
 )
 from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE
 from shardwise.runtime.packed_weights import quantization
-from shardwise.runtime.qwen3_5 import OffsetRMSNorm, build_layer, rotary_dim
+from shardwise.runtime.qwen3_5 import GatedAttention, OffsetRMSNorm, build_layer, rotary_dim
 from shardwise.spec.model import EMBEDDING, LM_HEAD, NORM, LayerSpec, ModelSpec, TensorSpec
+
+SLOT_MIXERS = (GQAttention, MLAttention, KimiDeltaAttention, GatedDeltaNet, GatedAttention)
+"""Mixers that take per-row cache slots and positions (``ShardedCausalLM.forward(ids, start, slots)``)."""
 
 RUNTIME_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_linear", "qwen3_5_moe")
 
@@ -228,8 +232,10 @@ class ShardedCausalLM(nn.Module):
     projections and experts are row-invariant too, so row i is bit-identical to
     ``forward(ids[i:i+1], start[i], [slots[i]])`` and a sequence decodes to the same bits
     whichever others share its steps. A slot restarted at position 0 reads nothing of what it
-    held before. Models with linear-attention layers (``supports_slots`` False) keep one
-    recurrent state and take ``slots=[0]`` only.
+    held before. Linear-attention layers (KDA, Gated DeltaNet) keep their recurrent state and
+    conv window per slot (``linear_state.LinearStateCache``) and run each row's recurrence alone:
+    the chunked form for a row at position 0, the recurrent form position by position otherwise,
+    as that row's one-row call does.
 
     Full-attention caches hold ``max_seq_len`` positions. Sliding-window layers hold a ring
     of ``min(max_seq_len, window + max_step_tokens - 1)`` positions, where
@@ -274,9 +280,9 @@ class ShardedCausalLM(nn.Module):
 
     @property
     def supports_slots(self) -> bool:
-        """Whether ``forward`` takes any batch of cache slots (False: linear-attention layers, whose
-        one recurrent state per sequence limits the model to ``slots=[0]``, one sequence at a time)."""
-        return all(isinstance(layer.self_attn, (GQAttention, MLAttention)) for layer in self.model.layers)
+        """Whether ``forward`` takes any batch of cache slots: every layer's mixer keeps its cache or
+        state per slot (``SLOT_MIXERS``; true of every runtime family)."""
+        return all(isinstance(layer.self_attn, SLOT_MIXERS) for layer in self.model.layers)
 
     def forward(
         self, ids: torch.Tensor, start: int | Sequence[int] = 0, slots: Sequence[int] | None = None
@@ -286,11 +292,9 @@ class ShardedCausalLM(nn.Module):
         n = ids.shape[1]
         if slots is not None:
             slots, starts = self._check_slots(ids, start, slots)
-            if self.supports_slots:
-                positions = torch.tensor(starts)[:, None] + torch.arange(n)  # [B, T]
-                cos, sin = self.rotary(positions, self.dtype)
-                return self._run(ids, positions, (cos.unsqueeze(1), sin.unsqueeze(1)), slots)
-            start = starts[0]  # slots=[0] with one row: the one-sequence path
+            positions = torch.tensor(starts)[:, None] + torch.arange(n)  # [B, T]
+            cos, sin = self.rotary(positions, self.dtype)
+            return self._run(ids, positions, (cos.unsqueeze(1), sin.unsqueeze(1)), slots)
         if isinstance(start, Sequence):
             raise ShardwiseError("a start per row needs slots: pass the cache slot of each row")
         if start + n > self.max_seq_len:
@@ -319,11 +323,8 @@ class ShardedCausalLM(nn.Module):
             raise ShardwiseError(
                 f"{b} rows need one slot and one start each: got {len(slots)} slots and {len(starts)} starts"
             )
-        if not self.supports_slots and slots != [0]:
-            raise ShardwiseError(
-                f"{self.spec.name} takes one sequence at a time (max batch 1, slots=[0]): its linear-attention "
-                "layers keep one state per sequence"
-            )
+        if not self.supports_slots:
+            raise ShardwiseError(f"{self.spec.name} takes no cache slots: a layer's mixer keeps one cache for all rows")
         for i, (slot, first) in enumerate(zip(slots, starts)):
             if not 0 <= slot < self.max_batch:
                 raise ShardwiseError(f"slot {slot} is out of range: the model holds cache slots 0..{self.max_batch - 1}")

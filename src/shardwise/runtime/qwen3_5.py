@@ -7,7 +7,8 @@
   keeps each head's gate with it; per-head q/k norms; rotary on the first
   ``partial_rotary_factor · head_dim`` channels (``rotate_half``; the multimodal RoPE sections
   are the plain RoPE for text); ``o_proj(attn · sigmoid(gate))``, row-parallel. The static KV
-  cache and row-by-row verify attention are ``runtime.attention``'s.
+  cache, row-by-row verify attention and the per-slot rows of continuous batching are
+  ``runtime.attention``'s (``full_attention``, ``per_slot``).
 - ``GatedSharedExpertMoE``: softmax top-k routing (renormalised) over the routed experts (expert
   parallel like ``moe.SparseMoE``) plus one shared expert scaled per token by
   ``sigmoid(shared_expert_gate · x)``; the gate weight is replicated, so every rank scales its
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.runtime.attention import attend
+from shardwise.runtime.attention import full_attention, per_slot
 from shardwise.runtime.deltanet import GatedDeltaNet
 from shardwise.runtime.layers import (
     ColumnParallelLinear,
@@ -56,7 +57,8 @@ class OffsetRMSNorm(RMSNorm):
 
 
 class GatedAttention(nn.Module):
-    """Qwen3.5 full attention over this rank's heads with a static KV cache [B, kv_local, S, d]."""
+    """Qwen3.5 full attention over this rank's heads with a static KV cache [max_batch, kv_local, S, d]
+    (one row per cache slot, index = position)."""
 
     def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype, *, head_dim: int,
                  rotary_dim: int, gated: bool, eps: float, max_seq_len: int, max_batch: int = 1):
@@ -71,7 +73,6 @@ class GatedAttention(nn.Module):
         self.head_dim, self.rotary_dim, self.gated = head_dim, rotary_dim, gated
         self.heads = self.q_proj.weight.shape[0] // (head_dim * (2 if gated else 1))
         self.kv_heads = self.k_proj.weight.shape[0] // head_dim
-        self.groups = self.heads // self.kv_heads
         self.scaling = head_dim**-0.5
         cache_shape = (max_batch, self.kv_heads, max_seq_len, head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
@@ -83,7 +84,11 @@ class GatedAttention(nn.Module):
             return apply_rotary(x, cos, sin)
         return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                slots: list[int] | None = None) -> torch.Tensor:
+        """x [B, T, hidden] at ``positions`` [T] in cache rows 0..B-1, or, with ``slots``, at
+        ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, rotary/2]),
+        each row's cache write and attention alone (``attention.per_slot``)."""
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.heads, -1)
         gate = None
@@ -96,15 +101,17 @@ class GatedAttention(nn.Module):
         cos, sin = rope
         q = self._rotate(q.transpose(1, 2), cos, sin)
         k = self._rotate(k.transpose(1, 2), cos, sin)
-        start, end = int(positions[0]), int(positions[-1]) + 1
-        self.k_cache[:b, :, start:end] = k
-        self.v_cache[:b, :, start:end] = v
-        keys = self.k_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
-        values = self.v_cache[:b, :, :end].repeat_interleave(self.groups, dim=1)
-        out = attend(q, keys, values, positions, None, self.scaling)
+        if slots is None:
+            out = self._cached(q, k, v, positions, slice(0, b))
+        else:
+            out = per_slot(self._cached, slots, positions, q, k, v)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def _cached(self, q, k, v, positions: torch.Tensor, rows: slice) -> torch.Tensor:
+        """k, v [b, kv, T, d] into cache rows ``rows`` at ``positions`` [T]; q [b, H, T, d] attends → [b, T, H·d]."""
+        return full_attention(self.k_cache, self.v_cache, q, k, v, positions, rows, self.scaling)
 
 
 class GatedSharedExpertMoE(SparseMoE):

@@ -68,9 +68,12 @@ def one_line(exc: BaseException) -> str:
 
 
 def check_backend(backend: str) -> None:
-    """Raise unless ``backend`` is one the runtime supports (gloo, nccl)."""
+    """Raise unless ``backend`` is one the runtime supports (gloo, nccl) and, for nccl, this host
+    has a GPU torch can use (launchers call it before any rank starts)."""
     if backend not in _BACKENDS:
         raise ShardwiseError(f"unknown backend '{backend}': use one of {', '.join(_BACKENDS)}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ShardwiseError("--backend nccl needs CUDA GPUs but torch sees none: use --backend gloo")
 
 
 def init_from_env(backend: str = "gloo", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
@@ -102,8 +105,6 @@ def init_from_env(backend: str = "gloo", *, timeout_s: float = DEFAULT_TIMEOUT_S
     addr = os.environ["MASTER_ADDR"]
     device_id = None
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ShardwiseError("backend nccl needs CUDA GPUs but torch sees none: use backend gloo")
         if local_rank >= torch.cuda.device_count():
             raise ShardwiseError(
                 f"LOCAL_RANK={local_rank} but this host has {torch.cuda.device_count()} GPU(s)"

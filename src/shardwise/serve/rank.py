@@ -48,14 +48,6 @@ class ServeRequest:
     ngram_max: int = 3
 
 
-def one_sequence_at_a_time(spec) -> bool:
-    """True for models with linear-attention layers: the runtime keeps their recurrent state for one
-    sequence, so the server decodes them one sequence at a time (``--max-batch 1``)."""
-    from shardwise.spec.mixers import MIXERS
-
-    return any(MIXERS[layer.attention].is_linear for layer in spec.layers)
-
-
 def load_model(rank: int, request: ServeRequest):
     """This rank's loaded shard with ``max_batch`` cache slots of ``max_model_len`` positions."""
     from shardwise.plan import ParallelPlan

@@ -293,10 +293,14 @@ def _read_toml(path: str | Path) -> tuple[dict[str, Any], str]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ShardwiseError(f"{path}: cannot read cluster file ({exc.strerror}); check the path") from None
+    except UnicodeDecodeError as exc:
+        raise ShardwiseError(f"{path}: cluster file is not UTF-8 text (byte {exc.start}); is it a TOML file?") from None
     try:
         return tomllib.loads(text), text
     except tomllib.TOMLDecodeError as exc:
         raise ShardwiseError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ShardwiseError(f"{path}: not TOML shardwise can read: arrays or tables nested too deep") from None
 
 
 def _cluster_table(doc: dict[str, Any], where: str, required: bool) -> dict[str, Any]:

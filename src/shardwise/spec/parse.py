@@ -13,8 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from shardwise.errors import ShardwiseError, unknown_name
-from shardwise.spec.families import BUILDERS, Config
+from shardwise.errors import ShardwiseError, shown, unknown_name
+from shardwise.spec.families import BUILDERS, Config, check_fields
 from shardwise.spec.model import ModelSpec
 from shardwise.spec.tensors import (
     ATTENTION,
@@ -46,11 +46,11 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     if path.suffix == ".json" or path.exists():
         if not path.exists():
             raise ShardwiseError(f"model config '{path}' does not exist: pass a catalog key or a config.json path")
+        config = read_json(path, "model config")
         try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ShardwiseError(f"model config '{path}' is not valid JSON (line {exc.lineno}): {exc.msg}") from None
-        return parse_config(config, name=path.parent.name if path.name == "config.json" else path.stem)
+            return parse_config(config, name=path.parent.name if path.name == "config.json" else path.stem)
+        except ShardwiseError as exc:
+            raise ShardwiseError(f"model config '{path}': {exc}") from None
     key = str(name_or_path)
     known = catalog_models()
     if key not in known:
@@ -58,6 +58,20 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     text = resources.files(_CATALOG_PACKAGE).joinpath(f"{key}.json").read_text()
     return parse_config(json.loads(text), name=key)
 
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file's document; one-line errors for a file that cannot be read, is not UTF-8 or not JSON."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ShardwiseError(f"{what} '{path}' cannot be read ({exc.strerror}): check the path") from None
+    except UnicodeDecodeError as exc:
+        raise ShardwiseError(f"{what} '{path}' is not UTF-8 text (byte {exc.start}): is it a JSON file?") from None
+    except json.JSONDecodeError as exc:
+        raise ShardwiseError(f"{what} '{path}' is not valid JSON (line {exc.lineno}): {exc.msg}") from None
+    except (ValueError, RecursionError) as exc:  # a number past Python's digit limit, nesting past the stack
+        raise ShardwiseError(f"{what} '{path}' is not JSON shardwise can read: {str(exc).splitlines()[0]}") from None
 
 
 def parse_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
@@ -72,11 +86,13 @@ def parse_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         raise ShardwiseError(f"config.json ({model_type}) is missing 'text_config'")
     data = dict(text) if text is not None else dict(config)
     inner_type = data.get("model_type", model_type)
-    builder = BUILDERS.get(inner_type) or BUILDERS.get(model_type)
+    builder = BUILDERS.get(inner_type) if isinstance(inner_type, str) else None
+    builder = builder or (BUILDERS.get(model_type) if isinstance(model_type, str) else None)
     if builder is None:
         raise ShardwiseError(
-            f"unsupported model_type '{model_type}': shardwise reads {', '.join(BUILDERS)}"
+            f"unsupported model_type {shown(model_type)}: shardwise reads {', '.join(BUILDERS)}"
         )
+    check_fields(data)
     cfg = Config(data, model_type)
     spec_kwargs = builder(cfg)
     hidden = cfg.int("hidden_size")
@@ -116,6 +132,8 @@ def _quant_formats(qc: Mapping[str, Any] | None) -> tuple[str | None, dict[str, 
     """Format per tensor group from a ``quantization_config`` (empty when unquantized)."""
     if not qc:
         return None, {}
+    if not isinstance(qc, Mapping):
+        raise ShardwiseError(f"config.json field 'quantization_config' must be an object, got {shown(qc)}")
     method = qc.get("quant_method")
     if method == "mxfp4":  # gpt-oss: experts MXFP4, modules_to_not_convert stay BF16
         return method, {ROUTED_EXPERTS: "mxfp4"}
@@ -123,6 +141,8 @@ def _quant_formats(qc: Mapping[str, Any] | None) -> tuple[str | None, dict[str, 
         return method, {g: "fp8" for g in MATMUL_GROUPS}
     if method == "compressed-tensors":
         fmt = qc.get("format", "")
+        if not isinstance(fmt, str):
+            raise ShardwiseError(f"config.json field 'quantization_config.format' must be a string, got {shown(fmt)}")
         if "mxfp4" in fmt:
             name = "mxfp4"
         elif "nvfp4" in fmt:
