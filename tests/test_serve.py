@@ -11,12 +11,13 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 
 import pytest
 
-from conftest import cli_json
+from conftest import cli_json, run_cli
 from serve_process import ServeProcess, http
 
 openai = pytest.importorskip("openai")
@@ -283,3 +284,19 @@ def test_sigterm_drains_in_flight_then_exits_zero(server):
     thread.join(10)
     assert out == {"finish": "length"}
     assert srv.leftovers() == []
+
+
+@pytest.mark.parametrize("args,expected", [
+    (("--max-model-len", "100000"), "--max-model-len must be in 2..40960"),
+    (("--max-batch", "0"), "--max-batch must be in 1..256"),
+    (("--spec", "draft"), "serve drafts by prompt lookup only"),
+    (("--port", "BUSY"), "cannot listen on 127.0.0.1:"),
+])
+def test_bad_serve_flags_are_one_line_before_any_rank(args, expected):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in args]
+        proc = run_cli("serve", *argv, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {expected}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -16,6 +16,9 @@ SERVE_TIMEOUT_S = 30.0
 """Default seconds one collective may block before the server fails (a frozen rank is noticed
 within this; rank 0 sends a heartbeat every second while idle so an idle server never waits that long)."""
 
+DEFAULT_MODEL_LEN = 2048
+"""Tokens per slot (--max-model-len) when not given and the model has at least that many positions."""
+
 MAX_SLOTS = 256
 """Most KV-cache slots (--max-batch) one server holds."""
 
@@ -43,7 +46,7 @@ def register(app: typer.Typer) -> None:
         host: Annotated[str, typer.Option("--host", help="address to listen on (loopback unless you say otherwise)")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="TCP port of the HTTP API")] = 8000,
         max_batch: Annotated[int, typer.Option("--max-batch", help="sequences decoded together (KV-cache / state slots)")] = 8,
-        max_model_len: Annotated[int, typer.Option("--max-model-len", help="tokens per sequence (prompt + generated), the size of each slot")] = 2048,
+        max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="tokens per sequence (prompt + generated), the size of each slot (default: 2048 or the model's positions if fewer)")] = None,
         prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="prompt tokens read per step between decode steps")] = 128,
         dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
         allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot or two-level")] = "builtin",
@@ -76,6 +79,8 @@ def register(app: typer.Typer) -> None:
         check_runnable(spec, ParallelPlan(tp=tp, ep=ep))
         if not 1 <= max_batch <= MAX_SLOTS:
             raise ShardwiseError(f"--max-batch must be in 1..{MAX_SLOTS}, got {max_batch}")
+        if max_model_len is None:
+            max_model_len = min(DEFAULT_MODEL_LEN, spec.max_position_embeddings)
         if not 2 <= max_model_len <= spec.max_position_embeddings:
             raise ShardwiseError(f"--max-model-len must be in 2..{spec.max_position_embeddings} (the model's "
                                  f"max_position_embeddings), got {max_model_len}")
