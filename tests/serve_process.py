@@ -10,6 +10,7 @@ that should have exited on its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,6 +42,36 @@ def http(url: str, body: bytes | dict | list | None = None, timeout: float = 30.
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+@contextlib.contextmanager
+def third_party_server(name: str, argv: list[str], port: int, log: Path, env: dict[str, str], start_s: float):
+    """Another OpenAI-compatible server (``argv`` listening on 127.0.0.1:``port``, output to ``log``):
+    yields its base URL once ``/v1/models`` answers 200; always stopped (SIGTERM, then SIGKILL)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + start_s
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if http(url + "/models", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} did not start in {start_s} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
 
 
 class ServeProcess:

@@ -25,18 +25,13 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_json, plan_json, run_cli
+from serve_process import free_port, third_party_server
 from shardwise.measure.serving_prompts import fit_prompt, word_stream
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.generate import load_tokenizer
 
 SERVER_START_S = 150
 PLAN = ("--plan-model", "llama-3.1-8b", "--box", "dgx-spark", "--boxes", "1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,40 +42,14 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """``transformers serve CHECKPOINT`` on 127.0.0.1:PORT; yields its base URL; always stopped."""
-    import httpx
-
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server-log") / "serve.log"
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "TRANSFORMERS_OFFLINE": "1",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "transformers.cli.transformers", "serve", str(checkpoint), "--host", "127.0.0.1",
-             "--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
-        )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"transformers serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"transformers serve did not start in {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    argv = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(checkpoint), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+    log = tmp_path_factory.mktemp("server-log") / "serve.log"
+    with third_party_server("transformers serve", argv, port, log, env, SERVER_START_S) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
 
 
 def test_points_exact_prompts_and_the_plan_beside_them(server, checkpoint):
@@ -164,7 +133,7 @@ def _one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
 def test_bad_servers_and_flags_are_one_line_errors(tmp_path):
     base = ("bench", "--pp", "16", "--tg", "4", "--runs", "1")
     # nothing listens
-    _one_line_error(run_cli(*base, "--url", f"http://127.0.0.1:{_free_port()}/v1", timeout=60), "cannot reach")
+    _one_line_error(run_cli(*base, "--url", f"http://127.0.0.1:{free_port()}/v1", timeout=60), "cannot reach")
     # a plain web server: /v1/models is missing, or is not JSON
     (tmp_path / "html" / "v1").mkdir(parents=True)
     (tmp_path / "plain").mkdir()

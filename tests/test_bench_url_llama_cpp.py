@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -44,18 +41,13 @@ if not all(importlib.util.find_spec(m) for m in ("uvicorn", "fastapi", "sse_star
     pytest.skip("llama-cpp-python's [server] extra is not installed", allow_module_level=True)
 
 from conftest import cli_json, plan_json  # noqa: E402
+from serve_process import free_port, third_party_server  # noqa: E402
 from shardwise.runtime.checkpoint import make_checkpoint  # noqa: E402
 from shardwise.testing.llama_gguf import write_llama_gguf  # noqa: E402
 
 SERVER_START_S = 60
 ALIAS = "tiny-llama"
 PLAN = ("--plan-model", "llama-3.1-8b", "--box", "dgx-spark", "--boxes", "1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -71,39 +63,14 @@ def gguf_file(checkpoint) -> Path:
 @pytest.fixture(scope="module")
 def server(gguf_file, tmp_path_factory):
     """``python -m llama_cpp.server`` on the GGUF at 127.0.0.1:PORT; yields its base URL; always stopped."""
-    import httpx
-
-    port = _free_port()
+    port = free_port()
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_file), "--model_alias", ALIAS,
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "512", "--n_threads", "1",
+            "--n_threads_batch", "1", "--interrupt_requests", "False"]
     log = tmp_path_factory.mktemp("llama-cpp-log") / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_file), "--model_alias", ALIAS,
-             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "512", "--n_threads", "1",
-             "--n_threads_batch", "1", "--interrupt_requests", "False"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama_cpp.server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"llama_cpp.server did not start in {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
+    with third_party_server("llama_cpp.server", argv, port, log, {**os.environ, "OMP_NUM_THREADS": "1"},
+                            SERVER_START_S) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
 
 
 def test_the_gguf_is_the_checkpoint_in_llama_cpp(checkpoint, gguf_file):
