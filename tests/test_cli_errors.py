@@ -70,6 +70,9 @@ def one_line_error(*args: str) -> str:
     (("--quant", "fp8", "--experts", "mxfp4", "--dense", "fp8"), "--quant fp8 has no effect with both --experts and --dense"),
     # large numbers: the fewest-boxes search went on for over 8 minutes and 24 GB
     (("--batch", "1000000"), "no layout of up to 4,096 boxes holds it"),
+    # unbounded: 1e9 draft tokens planned as if fine; 2e8 boxes was refused with a --pp never passed
+    (("--spec-tokens", "1000000000"), "--spec-tokens must be at most 64 draft tokens per step, got 1000000000"),
+    (("--boxes", "200000000"), "--boxes must be a count in 1..4096, got 200000000"),
 ])
 def test_plan_refuses(args, needle):
     start = time.monotonic()
@@ -90,6 +93,10 @@ def test_plan_refuses(args, needle):
     (("--max-boxes", "100000000"), "--max-boxes must be in 1..4096"),
     (("--limit", "-1"), "--limit must be >= 1"),  # showed every row but the last
     (("--explain", "dgx-spark:0"), "with N >= 1"),
+    (("--spec-tokens", "1000000000"), "--spec-tokens must be at most 64 draft tokens per step"),
+    # an unknown link (or box) answered "outside this sweep"
+    (("--explain", "dgx-spark:4:unknown-link"), "--explain 'dgx-spark:4:unknown-link': unknown link 'unknown-link'"),
+    (("--explain", "no-such-box:4"), "unknown box 'no-such-box'"),
 ])
 def test_sweep_refuses(args, needle):
     start = time.monotonic()
@@ -138,6 +145,14 @@ def test_corrupt_files_name_the_file(tmp_path):
     # an unknown name holding a control character is still one line (it is printed escaped)
     cluster.write_text('[cluster]\nbox = "\\u001e"\nlink = "100g-roce"\nboxes = 2\n')
     assert "unknown box '\\x1e'" in one_line_error("plan", "--cluster", str(cluster))
+
+
+def test_cluster_file_box_count_is_bounded_where_the_file_is_read(tmp_path):
+    """boxes = 2e8 in a cluster file was refused with a message about --pp, a flag never passed."""
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('[cluster]\nbox = "dgx-spark"\nlink = "100g-roce"\nboxes = 200000000\n')
+    line = one_line_error("plan", "--cluster", str(cluster))
+    assert f"{cluster}: [cluster] boxes must be a whole number in 1..4096, got 200000000" in line and "--pp" not in line
 
 
 def _measurements(tmp_path: Path, decode_tok_s: str | None, rows: int = 1) -> Path:

@@ -245,6 +245,23 @@ def test_requests_the_ranks_would_refuse_are_refused_first(base, copy, tmp_path)
                     "pass --max-new-tokens 1022 or fewer")
 
 
+def test_bench_refuses_what_run_refuses_before_any_rank(base, copy, tmp_path):
+    """`bench CHECKPOINT` runs `run`'s leader-side request checks before the probe or any rank starts."""
+    out = ("--out", str(tmp_path / "b.json"), "--trace", str(tmp_path / "b.trace.json"))
+    cases = [
+        (("--prompt-ids", "1,2,600"), "prompt token id 600 is outside the vocabulary 0..511"),
+        (("--prompt-ids", "1", "--timeout", "inf"), "--timeout must be > 0 and at most 604800 seconds"),
+    ]
+    for args, needle in cases:
+        _one_line_error(*cli_in_process("bench", str(base), *args, *out)[::2], needle)
+    short = copy("pos16")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    _one_line_error(*cli_in_process("bench", str(short), "--prompt-ids", "1,2", "--max-new-tokens", "48", *out)[::2],
+                    "= 50 exceeds 16 tokens (pos16's max_position_embeddings): pass --max-new-tokens 14 or fewer")
+    assert not list(tmp_path.glob("b*.json"))
+
+
 def test_unwritable_trace_is_refused_before_generation(base, tmp_path):
     for trace, needle in ((tmp_path, "(Is a directory)"), (Path("/proc/shardwise-trace.json"), "cannot write")):
         _one_line_error(*cli_in_process("run", str(base), "--prompt-ids", "1", "--trace", str(trace))[::2],

@@ -19,6 +19,8 @@ import typer
 from shardwise.errors import ShardwiseError
 
 BENCH_PROBE_ALGORITHMS = ("ring", "rd", "oneshot")
+BENCH_BACKEND = "gloo"
+"""Process-group backend of the bench's ranks (``launch_local``'s default)."""
 BENCH_REPEATS = 3
 """Measured generations per bench, interleaved with host probes in the same ranks."""
 
@@ -107,6 +109,7 @@ def register(app: typer.Typer) -> None:
         if given:
             raise ShardwiseError(f"{given[0]} is for measuring a server: pass --url http://HOST:PORT/v1")
         out = out if out is not None else Path("bench.json")
+        from shardwise.commands.run import MAX_TIMEOUT_S
         from shardwise.measure.bench import (OpCounts, bench_document, count_rank_ops, predict,
                                              predicted_trace_events, with_host_probe)
         from shardwise.measure.probe import ProbeConfig, run_probe
@@ -114,10 +117,12 @@ def register(app: typer.Typer) -> None:
         from shardwise.plan import ParallelPlan, default_ep
         from shardwise.runtime.checkpoint import default_checkpoint
         from shardwise.runtime.comm import get_allreduce
-        from shardwise.runtime.generate import DEFAULT_PROMPT, encode_prompt, parse_prompt_ids
+        from shardwise.runtime.generate import (DEFAULT_PROMPT, check_prompt, encode_prompt, max_positions,
+                                                parse_prompt_ids)
         from shardwise.runtime.launch import launch_local
-        from shardwise.runtime.loader import load_spec
+        from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec
         from shardwise.runtime.model import check_runnable, torch_dtype
+        from shardwise.runtime.rendezvous import check_backend
         from shardwise.runtime.runner import RunRequest, run_rank
         from shardwise.runtime.trace import chrome_trace, summarize
 
@@ -136,6 +141,13 @@ def register(app: typer.Typer) -> None:
             if not path.parent.is_dir():
                 raise ShardwiseError(f"{path}: folder '{path.parent}' does not exist")
         ids = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tuple(encode_prompt(folder, DEFAULT_PROMPT))
+        # what the ranks (the probe's included) would refuse, refused before any starts, as `shardwise run` does
+        check_backend(BENCH_BACKEND)
+        if not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ShardwiseError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S} seconds (a week), got {timeout:g}")
+        check_prompt(ids, max_new_tokens, spec.vocab_size, *max_positions(spec))
+        with Checkpoint(folder) as ckpt:
+            check_checkpoint(spec, ckpt)
         if probe is not None:
             try:
                 probe_doc = json.loads(probe.read_text())

@@ -29,15 +29,24 @@ CSV_FIELDS = (
 
 
 def parse_explain(value: str) -> tuple[str, int, str | None]:
-    """'BOX:N[:LINK]' → (box, count, link)."""
+    """'BOX:N[:LINK]' → (box, count, link key); an unknown box or link is a one-line error (not
+    "outside this sweep"), a link alias becomes its catalog key."""
+    from shardwise.spec.hardware import get_box, get_link
+
     parts = value.split(":")
     try:
         if len(parts) not in (2, 3) or int(parts[1]) < 1:
             raise ValueError
-        return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None
+        box, count, link = parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None
     except ValueError:
         raise ShardwiseError(
             f"--explain '{value}' must look like BOX:N or BOX:N:LINK with N >= 1, e.g. dgx-spark:16:100g-roce") from None
+    try:
+        get_box(box)
+        link = get_link(link).key if link is not None else None
+    except ShardwiseError as exc:
+        raise ShardwiseError(f"--explain '{value}': {exc} (`shardwise catalog` lists them)") from None
+    return box, count, link
 
 
 def run(req, explain_targets: list[tuple[str, str, int, str | None]], show_progress: bool):

@@ -19,6 +19,7 @@ DEFAULT_MAX_BOXES = 64
 """Most boxes a sweep tries when neither --boxes nor --max-boxes is given."""
 MAX_SWEEP_BOXES = 4096  # a box count, a range's end or --max-boxes beyond this is refused (1-1e8 ate GBs)
 MAX_BATCH = 1_000_000  # sequences in one step: far beyond any box's memory, small enough to stay numeric
+MAX_SPEC_TOKENS = 64  # draft tokens per verify step: past any runtime's use; 1e9 ran on as if it were fine
 MAX_PRICE_USD = 1e9  # per box: above any machine sold, low enough that a cluster's cost stays finite
 
 
@@ -47,6 +48,10 @@ def decode_inputs(kv_dtype: str, spec_tokens: int, acceptance: float | None, wor
         raise ShardwiseError(f"--kv-dtype '{kv_dtype}' is unknown: use bf16, fp16, fp8 or fp32")
     if spec_tokens < 0:
         raise ShardwiseError(f"--spec-tokens must be >= 0, got {spec_tokens}")
+    if spec_tokens > MAX_SPEC_TOKENS:
+        raise ShardwiseError(
+            f"--spec-tokens must be at most {MAX_SPEC_TOKENS} draft tokens per step, got {spec_tokens}: "
+            f"pass --spec-tokens {MAX_SPEC_TOKENS} or fewer")
     given = [flag for flag, value in (("--acceptance", acceptance), ("--workload", workload)) if value is not None]
     if len(given) == 2:
         raise ShardwiseError("--acceptance and --workload both given: pick one (a workload names an acceptance)")
@@ -91,8 +96,8 @@ def build_scenario(
     else:
         box_obj, link_obj = get_box(box), get_link(link)
         n = boxes if boxes is not None else SEED["boxes"]
-    if n < 1:
-        raise ShardwiseError(f"--boxes must be >= 1, got {n}")
+    if not 1 <= n <= MAX_SWEEP_BOXES:
+        raise ShardwiseError(f"--boxes must be a count in 1..{MAX_SWEEP_BOXES}, got {n}")
     if tp is None and ep is None and pp is None:
         plan = default_plan(spec, n)
     else:

@@ -45,6 +45,7 @@ from shardwise.spec.topology import Topology, topology_from_toml, topology_to_to
 
 Positive = Annotated[float, Meta(gt=0)]
 NonNegative = Annotated[float, Meta(ge=0)]
+MAX_CLUSTER_BOXES = 4096  # a cluster file's boxes, bounded like --boxes (2e8 got as far as a --pp error)
 
 
 class _Sourced(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -388,8 +389,10 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
         if topology is None:
             raise ShardwiseError(f"{where}: [cluster] needs boxes = N, or list the boxes as [[hosts]]")
         boxes = len(topology.hosts)
-    if isinstance(boxes, bool) or not isinstance(boxes, int) or boxes < 1:
-        raise ShardwiseError(f"{where}: [cluster] boxes must be a whole number >= 1, got {boxes!r}")
+    if isinstance(boxes, bool) or not isinstance(boxes, int) or not 1 <= boxes <= MAX_CLUSTER_BOXES:
+        raise ShardwiseError(
+            f"{where}: [cluster] boxes must be a whole number in 1..{MAX_CLUSTER_BOXES}, got {boxes!r}: "
+            f"set boxes = N to the cluster's box count")
     if topology is not None and boxes != len(topology.hosts):
         raise ShardwiseError(
             f"{where}: [cluster] boxes = {boxes} but {len(topology.hosts)} [[hosts]] are listed; make them agree"
