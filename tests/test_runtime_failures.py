@@ -69,13 +69,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _long_run(llama6: Path, tp: int, tokens: int = 20000):
+def _long_run(llama6: Path, tp: int, tokens: int = 20000, session: bool = False):
     """A `shardwise run` decoding far longer than any test (rank 0 sleeps 1 ms per layer, a testing
     hook), returned once generation is under way: (process, its stderr lines so far — a thread keeps
-    reading them —, that thread, {rank: pid})."""
+    reading them —, that thread, {rank: pid}). With ``session`` it leads a process group of its own,
+    which a terminal's Ctrl-C signals as a whole."""
     proc = subprocess.Popen(
         cli_argv("run", str(llama6), "--tp", str(tp), "--prompt-ids", "1,2,3", "--max-new-tokens", str(tokens)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env({"SHARDWISE_TEST_SLOW_RANK": "0:0.001"}),
+        start_new_session=session,
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr))
@@ -149,10 +151,15 @@ def test_sigstop_one_rank_is_named_within_60_s(llama6):
     assert not any(_alive(pid) for pid in ranks.values())
 
 
-def test_sigint_to_the_leader_exits_130_and_leaves_no_rank(llama6):
-    proc, lines, reader, ranks = _long_run(llama6, 2)
+@pytest.mark.parametrize("to", ["leader", "group"])
+def test_sigint_exits_130_and_leaves_no_rank(llama6, to):
+    """SIGINT to the launcher alone, or to its whole process group (a terminal's Ctrl-C)."""
+    proc, lines, reader, ranks = _long_run(llama6, 2, session=to == "group")
     try:
-        proc.send_signal(signal.SIGINT)
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         proc.wait(timeout=LIMIT_S)
     finally:
         _end(proc, ranks, reader)

@@ -31,7 +31,7 @@ MAX_LEN = 256
 def server(tmp_path_factory):
     with ServeProcess("--tp", "2", "--max-batch", "16", "--max-model-len", str(MAX_LEN), "--spec", "ngram",
                       log_dir=tmp_path_factory.mktemp("serve")) as srv:
-        yield srv  # test_sigterm_drains_in_flight_then_exits_zero, the file's last test, stops it
+        yield srv  # test_ctrl_c_drains_in_flight_then_exits_zero, the last test using it, stops it
 
 
 @pytest.fixture(scope="module")
@@ -269,13 +269,15 @@ def test_bench_url_measures_this_server(server):
         assert p["prediction"]["decode_tok_per_s"] > 0
 
 
-def test_sigterm_drains_in_flight_then_exits_zero(server):
-    """The module's server, last: SIGTERM lets the stream in flight finish, refuses new requests with
-    503 meanwhile, then every process exits (the launcher with 0)."""
+def test_ctrl_c_drains_in_flight_then_exits_zero(server):
+    """The module's server, last: Ctrl-C (SIGINT to the whole process group: the launcher forwards it to
+    rank 0, which also gets it itself, and the other ranks ignore it) lets the stream in flight finish,
+    refuses new requests with 503 meanwhile, then every process exits (the launcher with 0). SIGTERM to
+    the launcher alone takes the same path (tests/test_serve_chat_page.py's server ends that way)."""
     srv = server
     thread, out = _stream_in_background(srv.base_url, 200)
     _wait_until_slot_taken(srv)
-    srv.proc.send_signal(signal.SIGTERM)
+    os.killpg(srv.proc.pid, signal.SIGINT)
     time.sleep(0.3)
     assert http(srv.url + "/health")[0] == 503
     code, raw = http(srv.base_url + "/completions", {"model": MODEL, "prompt": [1], "max_tokens": 2})
