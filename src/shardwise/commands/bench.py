@@ -109,7 +109,7 @@ def register(app: typer.Typer) -> None:
         if given:
             raise ShardwiseError(f"{given[0]} is for measuring a server: pass --url http://HOST:PORT/v1")
         out = out if out is not None else Path("bench.json")
-        from shardwise.commands.run import MAX_TIMEOUT_S
+        from shardwise.runtime.rendezvous import MAX_TIMEOUT_S
         from shardwise.measure.bench import (OpCounts, bench_document, count_rank_ops, predict,
                                              predicted_trace_events, with_host_probe)
         from shardwise.measure.probe import ProbeConfig, run_probe

@@ -13,7 +13,27 @@ import typer
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S
 
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; far larger values overflow the process group's timedelta in the ranks
+
+
+def runtime_layout(checkpoint: Path | None, tp: int | None, ep: int | None):
+    """(under torchrun?, checkpoint folder, its ModelSpec, tp, ep) for `run` and `serve`: the bundled
+    default without a checkpoint; tp defaults to the torchrun world size (2 locally) and must equal it;
+    ep to ``plan.default_ep``; the layout checked runnable."""
+    from shardwise.plan import ParallelPlan, default_ep
+    from shardwise.runtime.checkpoint import default_checkpoint
+    from shardwise.runtime.loader import load_spec
+    from shardwise.runtime.model import check_runnable
+
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    folder = checkpoint if checkpoint is not None else default_checkpoint()
+    spec = load_spec(folder)
+    tp = tp if tp is not None else (world or 2)
+    if world is not None and tp != world:
+        raise ShardwiseError(f"--tp {tp} must equal the torchrun world size {world} (the runtime has no --pp yet)")
+    ep = ep if ep is not None else default_ep(spec, tp)
+    check_runnable(spec, ParallelPlan(tp=tp, ep=ep))
+    return torchrun, folder, spec, tp, ep
 
 
 def _document(spec, folder: Path, request, reports: list[dict[str, Any]], backend: str) -> dict[str, Any]:
@@ -192,30 +212,19 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
     ) -> None:
         """Generate with the model split over --tp local processes (or join a torchrun group)."""
-        from shardwise.plan import ParallelPlan, default_ep
-        from shardwise.runtime.checkpoint import default_checkpoint
         from shardwise.runtime.comm import get_allreduce
         from shardwise.runtime.generate import (
             DEFAULT_PROMPT, SamplingParams, check_prompt, encode_prompt, max_positions, parse_prompt_ids,
         )
         from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec
-        from shardwise.runtime.model import check_runnable, torch_dtype
-        from shardwise.runtime.rendezvous import check_backend
+        from shardwise.runtime.model import torch_dtype
+        from shardwise.runtime.rendezvous import check_backend, check_timeout
         from shardwise.runtime.runner import RunRequest, run_rank
 
-        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        world = int(os.environ["WORLD_SIZE"]) if torchrun else None
         if prompt is not None and prompt_ids is not None:
             raise ShardwiseError("pass either --prompt or --prompt-ids, not both")
         check_backend(backend)
-        folder = checkpoint if checkpoint is not None else default_checkpoint()
-        spec = load_spec(folder)
-        tp = tp if tp is not None else (world or 2)
-        if world is not None and tp != world:
-            raise ShardwiseError(f"--tp {tp} must equal the torchrun world size {world} (the runtime has no --pp yet)")
-        ep = ep if ep is not None else default_ep(spec, tp)
-        plan = ParallelPlan(tp=tp, ep=ep)
-        check_runnable(spec, plan)
+        torchrun, folder, spec, tp, ep = runtime_layout(checkpoint, tp, ep)
         if allreduce == "auto":
             from shardwise.perf.allreduce_choice import choose_for_run
 
@@ -235,10 +244,7 @@ def register(app: typer.Typer) -> None:
                                      str(draft) if draft is not None else None)
             if draft is not None:
                 check_draft(folder, draft)
-        if not timeout > 0:
-            raise ShardwiseError(f"--timeout must be > 0 seconds, got {timeout:g}")
-        if timeout > MAX_TIMEOUT_S:
-            raise ShardwiseError(f"--timeout must be at most {MAX_TIMEOUT_S} seconds (a week), got {timeout:g}")
+        check_timeout(timeout)
         if trace is not None:
             _check_trace(trace)
         if prompt_ids is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 from pathlib import Path
@@ -59,24 +58,15 @@ def register(app: typer.Typer) -> None:
         ngram_max: Annotated[int, typer.Option("--ngram-max", help="longest n-gram prompt lookup matches (tried first)")] = 3,
     ) -> None:
         """Serve the model split over --tp local processes (or a torchrun group) on an OpenAI-compatible API."""
-        from shardwise.plan import ParallelPlan, default_ep
-        from shardwise.runtime.checkpoint import default_checkpoint
+        from shardwise.commands.run import runtime_layout
         from shardwise.runtime.comm import get_allreduce
-        from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec
-        from shardwise.runtime.model import check_runnable, torch_dtype
-        from shardwise.runtime.rendezvous import check_backend
+        from shardwise.runtime.loader import Checkpoint, check_checkpoint
+        from shardwise.runtime.model import torch_dtype
+        from shardwise.runtime.rendezvous import check_backend, check_timeout
         from shardwise.serve.rank import ServeRequest, serve_rank
         from shardwise.serve.text import ServeTokenizer
 
-        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        world = int(os.environ["WORLD_SIZE"]) if torchrun else None
-        folder = checkpoint if checkpoint is not None else default_checkpoint()
-        spec = load_spec(folder)
-        tp = tp if tp is not None else (world or 2)
-        if world is not None and tp != world:
-            raise ShardwiseError(f"--tp {tp} must equal the torchrun world size {world}")
-        ep = ep if ep is not None else default_ep(spec, tp)
-        check_runnable(spec, ParallelPlan(tp=tp, ep=ep))
+        torchrun, folder, spec, tp, ep = runtime_layout(checkpoint, tp, ep)
         if not 1 <= max_batch <= MAX_SLOTS:
             raise ShardwiseError(f"--max-batch must be in 1..{MAX_SLOTS}, got {max_batch}")
         if max_model_len is None:
@@ -86,8 +76,7 @@ def register(app: typer.Typer) -> None:
                                  f"max_position_embeddings), got {max_model_len}")
         if prefill_chunk < 1:
             raise ShardwiseError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
-        if not timeout > 0:
-            raise ShardwiseError(f"--timeout must be > 0 seconds, got {timeout:g}")
+        check_timeout(timeout)
         if spec_method is not None:
             from shardwise.runtime.speculative import SpecParams
 

@@ -24,7 +24,11 @@ import torch.distributed as dist
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S  # process-group timeout (s) for rendezvous and collectives
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankContext", "check_backend", "init_from_env", "one_line"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "RankContext", "check_backend", "check_timeout", "init_from_env",
+           "one_line"]
+
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""Largest --timeout (s), a week: far larger values overflow the process group's timedelta in the ranks."""
 
 _BACKENDS = ("gloo", "nccl")
 _ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -124,3 +128,11 @@ def init_from_env(backend: str = "gloo", *, timeout_s: float = DEFAULT_TIMEOUT_S
             f"({backend}) within {timeout_s:g} s: {one_line(exc)}"
         ) from exc
     return rank, world_size
+
+
+def check_timeout(seconds: float) -> None:
+    """Raise a one-line ShardwiseError unless ``--timeout`` (s) is in (0, MAX_TIMEOUT_S]."""
+    if not seconds > 0:
+        raise ShardwiseError(f"--timeout must be > 0 seconds, got {seconds:g}")
+    if seconds > MAX_TIMEOUT_S:
+        raise ShardwiseError(f"--timeout must be at most {MAX_TIMEOUT_S} seconds (a week), got {seconds:g}")
