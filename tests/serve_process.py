@@ -22,7 +22,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import cli_argv, cli_env
+import pytest
+
+from conftest import cli_argv, cli_env, plan_json
 
 READY_S = 120.0  # a cold start imports torch and transformers and loads the shards
 
@@ -42,6 +44,27 @@ def http(url: str, body: bytes | dict | list | None = None, timeout: float = 30.
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def assert_point_measured(point: dict) -> None:
+    """One `bench --url` point (plan flags given): positive rates, sane latencies, the plan's batch-1
+    TP1 prediction beside it and its error where a batch-1 figure is comparable (concurrency 1)."""
+    assert point["decode_tok_per_s"] > 0 and point["prefill_tok_per_s"] > 0 and point["decode_total_tok_per_s"] > 0
+    assert 0 < point["ttft_s"]["p50"] <= point["ttft_s"]["p99"] < 60
+    assert 0 < point["itl_s"]["p50"] <= point["itl_s"]["p99"] < 60
+    pred = point["prediction"]
+    assert pred["batch"] == 1 and pred["layout"] == "TP1" and pred["decode_tok_per_s"] > 0
+    assert (point["decode_error"] is not None) == (point["concurrency"] == 1)
+
+
+def assert_prediction_is_the_plans(doc: dict) -> None:
+    """The pp32 @ d32 point's prediction is `plan`'s own figure for that context and prompt (llama-3.1-8b
+    on one DGX Spark)."""
+    plan = plan_json("--model", "llama-3.1-8b", "--box", "dgx-spark", "--boxes", "1", "--context", str(32 + 32 + 4),
+                     "--prompt-tokens", str(32 + 32))
+    deep = doc["points"][2]["prediction"]
+    assert deep["decode_tok_per_s"] == pytest.approx(plan["decode"]["tok_per_s"])
+    assert deep["prefill_tok_per_s"] == pytest.approx(plan["prefill"]["tok_per_s"])
 
 
 @contextlib.contextmanager

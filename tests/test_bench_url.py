@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_json, plan_json, run_cli
-from serve_process import free_port, third_party_server
+from conftest import cli_json, run_cli
+from serve_process import assert_point_measured, assert_prediction_is_the_plans, free_port, third_party_server
 from shardwise.measure.serving_prompts import fit_prompt, word_stream
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.generate import load_tokenizer
@@ -67,18 +67,8 @@ def test_points_exact_prompts_and_the_plan_beside_them(server, checkpoint):
         assert p["prompt_tokens"]["target"] == p["prompt_tokens"]["min"] == p["prompt_tokens"]["max"] == target
         assert p["requests"] == 2 * p["concurrency"]
         assert 2 <= p["completion_tokens"]["min"] <= p["completion_tokens"]["max"] <= 8
-        assert p["decode_tok_per_s"] > 0 and p["prefill_tok_per_s"] > 0 and p["decode_total_tok_per_s"] > 0
-        assert 0 < p["ttft_s"]["p50"] <= p["ttft_s"]["p99"] < 60
-        assert 0 < p["itl_s"]["p50"] <= p["itl_s"]["p99"] < 60
-        pred = p["prediction"]
-        assert pred["batch"] == 1 and pred["layout"] == "TP1" and pred["decode_tok_per_s"] > 0
-        assert (p["decode_error"] is not None) == (p["concurrency"] == 1)
-    # the prediction is the plan's own figure for that context and prompt
-    plan = plan_json("--model", "llama-3.1-8b", "--box", "dgx-spark", "--boxes", "1", "--context", str(32 + 32 + 4),
-                     "--prompt-tokens", str(32 + 32))
-    deep = doc["points"][2]["prediction"]
-    assert deep["decode_tok_per_s"] == pytest.approx(plan["decode"]["tok_per_s"])
-    assert deep["prefill_tok_per_s"] == pytest.approx(plan["prefill"]["tok_per_s"])
+        assert_point_measured(p)
+    assert_prediction_is_the_plans(doc)  # the plan's own figure for that context and prompt
 
 
 def test_chat_endpoint_human_output(server, tmp_path):

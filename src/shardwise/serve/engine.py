@@ -133,7 +133,7 @@ class Engine:
         for seq in sched.in_flight():  # past the drain deadline
             seq.sink(("error", 503, "the server is shutting down"))
             sched.cancel(seq)
-        exchange({"op": "stop"}, self.world_size) if self.world_size > 1 else None
+        exchange({"op": "stop"}, self.world_size)
         self.state, self.reason = "stopped", "stopped"
         return steps
 

@@ -37,12 +37,13 @@ class ServeTokenizer:
         self.eos = self._eos(folder)
 
     def _eos(self, folder: Path) -> set[int]:
+        from shardwise.runtime.generate import eos_ids
+
         ids: set[int] = set()
         for name in ("config.json", "generation_config.json"):
             path = folder / name
             if path.exists():
-                value = json.loads(path.read_text()).get("eos_token_id")
-                ids |= set(value) if isinstance(value, list) else ({value} if isinstance(value, int) else set())
+                ids |= eos_ids(json.loads(path.read_text()))
         if self.tok.eos_token_id is not None:
             ids.add(int(self.tok.eos_token_id))
         return ids
