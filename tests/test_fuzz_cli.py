@@ -109,8 +109,9 @@ def mutate_tree(data, doc: dict, values=JSON_VALUES) -> dict:
             if isinstance(child, dict) and child and data.draw(st.booleans()):
                 node = child
                 continue
-            if isinstance(child, list) and child and isinstance(child[0], dict) and data.draw(st.booleans()):
-                node = child[data.draw(st.integers(0, len(child) - 1))]
+            tables = [item for item in child if isinstance(item, dict)] if isinstance(child, list) else []
+            if tables and data.draw(st.booleans()):
+                node = data.draw(st.sampled_from(tables))
                 continue
             if data.draw(st.integers(0, 4)) == 0:
                 del node[key]

@@ -179,7 +179,8 @@ def test_greedy_exact_tp1(ckpts):
 
 
 def test_greedy_exact_tp2(ckpts):
-    cases = _cases(ckpts, (4,))
+    """Every k at tp 1 above; across two ranks the ends and a middle of the range."""
+    cases = [(*c[:-1], (1, 4, 8) if c[-1] == KS else c[-1]) for c in _cases(ckpts, (4,))]
     results = launch_local(_rank_cases, 2, args=(cases, False), timeout_s=120, run_timeout_s=400)
     for rank in range(2):
         _check(cases, results[rank], f"tp2 rank {rank}")

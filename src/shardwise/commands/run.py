@@ -264,12 +264,14 @@ def register(app: typer.Typer) -> None:
         if torchrun:
             import torch.distributed as dist
 
+            from shardwise.runtime.peer_watch import watch_peers
             from shardwise.runtime.rendezvous import init_from_env
 
             rank, world_size = init_from_env(backend, timeout_s=timeout)
-            report = run_rank(rank, world_size, request)
-            reports: list[Any] = [None] * world_size if rank == 0 else None
-            dist.gather_object(report, reports, dst=0)
+            with watch_peers(rank, world_size):
+                report = run_rank(rank, world_size, request)
+                reports: list[Any] = [None] * world_size if rank == 0 else None
+                dist.gather_object(report, reports, dst=0)
             dist.destroy_process_group()
             if rank != 0:
                 return

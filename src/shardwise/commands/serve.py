@@ -99,6 +99,7 @@ def register(app: typer.Typer) -> None:
         if torchrun:
             import torch.distributed as dist
 
+            from shardwise.runtime.peer_watch import watch_peers
             from shardwise.runtime.rendezvous import init_from_env
 
             rank, world_size = init_from_env(backend, timeout_s=timeout)
@@ -106,7 +107,8 @@ def register(app: typer.Typer) -> None:
                 _check_port(host, port)
             else:  # torchrun signals every worker; rank 0 drains the group and tells the others to stop
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            serve_rank(rank, world_size, request)
+            with watch_peers(rank, world_size):
+                serve_rank(rank, world_size, request)
             dist.destroy_process_group()
             return
         from shardwise.runtime.launch import launch_local

@@ -274,14 +274,16 @@ def run_probe(
             left = wait_for_master(addr, int(port), timeout_s)
         import torch.distributed as dist
 
+        from shardwise.runtime.peer_watch import watch_peers
         from shardwise.runtime.rendezvous import init_from_env
 
         rank, world = init_from_env(backend, timeout_s=max(left, 1.0))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        with _progress(probe_steps(cfg, world, local), show_progress and rank == 0) as bar:
-            report = probe_rank(rank, world, cfg, bar)
-        reports: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(report, reports, dst=0)
+        with watch_peers(rank, world):
+            with _progress(probe_steps(cfg, world, local), show_progress and rank == 0) as bar:
+                report = probe_rank(rank, world, cfg, bar)
+            reports: list[Any] | None = [None] * world if rank == 0 else None
+            dist.gather_object(report, reports, dst=0)
         dist.destroy_process_group()
         return summarize(reports, cfg, backend) if rank == 0 else None
     from shardwise.runtime.launch import launch_local
@@ -291,28 +293,22 @@ def run_probe(
     import multiprocessing
 
     queue = multiprocessing.get_context("spawn").Queue()
-    result: dict[str, Any] = {}
+    with _progress(probe_steps(cfg, ranks, ranks), show_progress) as bar:
 
-    def launch() -> None:
+        def feed() -> None:
+            while (item := queue.get()) is not None:
+                bar.put(item)
+
+        # the launcher stays on the main thread, where Ctrl-C lands: its cleanup stops the ranks
+        reader = threading.Thread(target=feed, daemon=True)
+        reader.start()
         try:
-            result["reports"] = launch_local(
-                probe_rank, ranks, args=(cfg, queue), backend=backend, master_addr=master_addr,
-                timeout_s=timeout_s, run_timeout_s=None,
-            )
-        except BaseException as exc:  # re-raised in the caller's thread
-            result["error"] = exc
+            reports = launch_local(probe_rank, ranks, args=(cfg, queue), backend=backend, master_addr=master_addr,
+                                   timeout_s=timeout_s, run_timeout_s=None)
         finally:
             queue.put(None)
-
-    worker = threading.Thread(target=launch, daemon=True)
-    with _progress(probe_steps(cfg, ranks, ranks), show_progress) as bar:
-        worker.start()
-        while (item := queue.get()) is not None:
-            bar.put(item)
-    worker.join()
-    if "error" in result:
-        raise result["error"]
-    return summarize(result["reports"], cfg, backend)
+            reader.join(timeout=5)
+    return summarize(reports, cfg, backend)
 
 
 class _progress:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S  # process-group timeout (s) for rendezvous and collectives
+from shardwise.runtime.peer_watch import frozen_s, on_peer_failure, tell_peer_failure
 from shardwise.runtime.rendezvous import check_backend, init_from_env, one_line
 
 __all__ = ["RankFailure", "launch_local", "on_peer_failure"]
@@ -49,7 +50,6 @@ _GRACE_S = 2.0  # after the first failure, time (s) for the other ranks to repor
 _VERDICT_WAIT_S = 2.0  # a rank whose collective failed waits this long (s) to learn which peer failed
 _TERM_WAIT_S = 3.0  # time (s) between SIGTERM and SIGKILL when stopping a rank
 _WATCHDOG_PERIOD_S = 0.5  # how often (s) a rank checks that its launcher is still alive and sends a heartbeat
-FROZEN_S = 10.0  # a rank that sent no heartbeat for this long (s) is frozen (SIGSTOP, starved): the run fails
 _FIRST_BEAT_S = 60.0  # time (s) a starting rank may take (imports) before its first heartbeat
 
 
@@ -71,14 +71,6 @@ class RankFailure(ShardwiseError):
 
 
 _exit_lock = threading.Lock()  # one report leaves a rank: the main thread's or the watchdog's
-_peer_failure_hooks: list[Callable[[str], None]] = []
-_HOOK_FLUSH_S = 1.0  # time (s) a rank's hooks get to tell their clients before it exits
-
-
-def on_peer_failure(hook: Callable[[str], None]) -> None:
-    """Inside a launched rank: call ``hook(reason)`` when the launcher says another rank failed,
-    before this rank exits (a server fails its in-flight requests there)."""
-    _peer_failure_hooks.append(hook)
 
 
 def _name_process(rank: int) -> None:
@@ -125,13 +117,7 @@ def _watch_launcher(rank: int, parent_pid: int, ctl: Connection, conn: Connectio
             os._exit(1)
         if verdict is not None:
             text = verdict[1]
-            for hook in _peer_failure_hooks:
-                try:
-                    hook(text)
-                except Exception:  # noqa: BLE001 - the rank exits with the verdict whatever a hook does
-                    pass
-            if _peer_failure_hooks:
-                time.sleep(_HOOK_FLUSH_S)
+            tell_peer_failure(text)
             _report_and_exit(conn, ("error", "lost", text), f"[shardwise rank {rank}] stopping: {text}\n")
 
 
@@ -155,6 +141,10 @@ def _rank_main(
     parent_pid: int,
 ) -> None:
     """Body of a launched rank: join the group, run ``fn``, send back the result."""
+    # Ctrl-C is the launcher's to handle (it stops the ranks): a terminal's SIGINT to the whole
+    # group, pending since the launcher blocked it around the spawn, is dropped here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ.update(env)
     _name_process(rank)
     threading.Thread(target=_watch_launcher, args=(rank, parent_pid, ctl, conn), daemon=True).start()
@@ -227,7 +217,8 @@ class _Supervisor:
         self.reported: dict[int, tuple[str, str]] = {}  # rank -> (kind, one-line text)
         self.exited: dict[int, int] = {}
         self.failed_at: dict[int, float] = {}  # rank -> time.monotonic() of detection
-        start = time.monotonic() + _FIRST_BEAT_S - FROZEN_S
+        self.frozen_s = frozen_s()
+        start = time.monotonic() + _FIRST_BEAT_S - self.frozen_s
         self.last_beat = [start] * len(procs)  # rank -> time.monotonic() of its last heartbeat
 
     def _drain(self, rank: int) -> None:
@@ -278,11 +269,11 @@ class _Supervisor:
         return not self.failed_at
 
     def _check_heartbeats(self) -> None:
-        """Fail a live rank whose heartbeats stopped for ``FROZEN_S`` (its own failure: it is named first)."""
+        """Fail a live rank whose heartbeats stopped for ``frozen_s()`` (its own failure: it is named first)."""
         now = time.monotonic()
         for r, proc in enumerate(self.procs):
             silent = now - self.last_beat[r]
-            if r not in self.exited and r not in self.failed_at and silent > FROZEN_S and proc.is_alive():
+            if r not in self.exited and r not in self.failed_at and silent > self.frozen_s and proc.is_alive():
                 self.reported[r] = ("own", f"stopped making progress: no heartbeat for {silent:.0f} s "
                                            "(frozen, e.g. SIGSTOP, or starved of CPU)")
                 self.failed_at[r] = now
@@ -405,6 +396,9 @@ def launch_local(
     procs: list = []
     conns: list[Connection] = []  # rank -> launcher: the result or the error
     ctls: list[Connection] = []  # launcher -> rank: which rank failed
+    # SIGINT waits until every rank is started (each inherits the block and drops it once its
+    # bootstrap is done: a Ctrl-C mid-spawn stops them cleanly instead of a traceback per child)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -429,6 +423,7 @@ def launch_local(
             finally:
                 writer.close()
                 ctl_reader.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if forward_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: procs[0].is_alive() and os.kill(procs[0].pid, signal.SIGTERM))
@@ -439,6 +434,7 @@ def launch_local(
         _stop(procs)
         raise supervisor.error(world_size, stopped, run_timeout_s)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         _stop([proc for proc in procs if proc.pid is not None])
         for conn in conns + ctls:
             conn.close()

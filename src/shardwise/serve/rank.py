@@ -5,8 +5,8 @@ then loads its shard and drives the engine on its main thread until SIGTERM/SIGI
 then exit 0) or a failure (every in-flight request gets an error, then the rank raises and the
 launcher stops the others). The other ranks load their shard and follow rank 0's steps; they
 ignore SIGINT (a Ctrl-C reaches the whole process group) and stop when rank 0 says so. Under
-``launch_local`` rank 0 also hears when a peer died (``launch.on_peer_failure``) and fails its
-requests before it exits.
+``launch_local`` or ``torchrun`` rank 0 also hears when a peer died or froze
+(``peer_watch.on_peer_failure``) and fails its requests before it exits.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def serve_rank(rank: int, world_size: int, request: ServeRequest) -> dict[str, A
     if rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return {"rank": rank, "steps": follow(StepRunner(load_model(rank, request)), world_size)}
-    from shardwise.runtime import launch
+    from shardwise.runtime import peer_watch
     from shardwise.runtime.drafters import PromptLookup
     from shardwise.serve.app import build_app
     from shardwise.serve.engine import Engine
@@ -110,7 +110,7 @@ def serve_rank(rank: int, world_size: int, request: ServeRequest) -> dict[str, A
     engine = Engine(scheduler, world_size, metrics)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: engine.request_stop())
-    launch.on_peer_failure(engine.fail)
+    peer_watch.on_peer_failure(engine.fail)
     limits = Limits(_vocab(request), request.max_model_len, request.model_name)
     server, thread = _start_http(build_app(engine, tokenizer, limits, metrics), request)
     try:

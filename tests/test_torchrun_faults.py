@@ -1,0 +1,107 @@
+"""Ranks started by torchrun watch each other through the rendezvous store (runtime/peer_watch.py):
+a frozen rank ends the run within seconds, named, with no process left; a rank that finished
+first is not mistaken for a frozen one. The frozen-rank threshold is shortened with the testing
+hook (SHARDWISE_TEST_FROZEN_S=3); tests/test_runtime_failures.py holds the default under 60 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env
+from shardwise.runtime.checkpoint import make_checkpoint
+
+LIMIT_S = 60.0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(_port()), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env({"SHARDWISE_TEST_FROZEN_S": "3", **env}),
+    )
+
+
+def _ranks(parent: int) -> dict[int, int]:
+    """{RANK: pid} of torchrun's worker processes."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().split(")")[-1].split()[1]) != parent:
+                continue
+            env = dict(v.split("=", 1) for v in (stat.parent / "environ").read_text().split("\0") if "=" in v)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(stat.parent.name)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_frozen_rank_under_torchrun_is_named_and_ends_every_process(tmp_path):
+    ckpt = make_checkpoint("llama-3.1-8b", "tiny", tmp_path / "llama", seed=3)
+    proc = _torchrun("-m", "shardwise", "run", str(ckpt), "--tp", "2", "--prompt-ids", "1,2,3",
+                     "--max-new-tokens", "20000", env={"SHARDWISE_TEST_SLOW_RANK": "0:0.001"})
+    ranks: dict[int, int] = {}
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # rank 0 says when generation starts
+            if "generating up to 20000 tokens" in line:
+                break
+        else:
+            pytest.fail("generation never started")
+        time.sleep(1.0)
+        ranks = _ranks(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        out = proc.communicate(timeout=LIMIT_S)[0]
+        took = time.monotonic() - stopped
+    finally:
+        for pid in ranks.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0, out
+    assert took < 15, f"took {took:.1f} s with a 3 s threshold"
+    assert "error: [shardwise rank 0] stopping: rank 1 of 2 stopped making progress: no heartbeat for" in out, out
+    assert not any(_alive(pid) for pid in ranks.values())  # the frozen rank too: its peer on this host killed it
+
+
+def test_a_rank_that_finished_first_is_not_called_frozen(tmp_path):
+    """Rank 1 leaves its watch at once, rank 0 keeps working for 1.5 times the threshold: exit 0."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import time, torch.distributed as dist\n"
+        "from shardwise.runtime.peer_watch import watch_peers\n"
+        "from shardwise.runtime.rendezvous import init_from_env\n"
+        "rank, world = init_from_env('gloo', timeout_s=60)\n"
+        "with watch_peers(rank, world):\n"
+        "    time.sleep(4.5 if rank == 0 else 0.3)\n"
+        "print(f'done {rank}', flush=True)\n"
+    )
+    proc = _torchrun(str(script), env={})
+    out = proc.communicate(timeout=LIMIT_S)[0]
+    assert proc.returncode == 0, out
+    assert "done 0" in out and "done 1" in out and "stopped making progress" not in out, out
