@@ -1,6 +1,7 @@
 """Decode speed at batch 1 on a >= 1 GB checkpoint: shardwise vs transformers vs the memory roofline.
 
-    PYTHONPATH=src python benchmarks/bench_decode.py [--prompt 32] [--tokens 32] [--threads N] [--rounds 2]
+    PYTHONPATH=src python benchmarks/bench_decode.py [--dtype float32|bfloat16] [--prompt 32] [--tokens 32]
+        [--threads N] [--rounds 2]
 
 All figures come from this one run on this machine, so the ratios are what to read:
 
@@ -19,9 +20,10 @@ All figures come from this one run on this machine, so the ratios are what to re
 4. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each) and a traced tp=2 run
    whose per-rank compute / comm / wait shares explain the difference to tp=1.
 
-The checkpoint (llama architecture, hidden 2048, 16 layers, 16 heads / 4 KV heads,
-intermediate 5632, vocab 32000, float32: 853 M parameters, 3.4 GB) is written once with
-random weights under ``$XDG_CACHE_HOME/shardwise/bench-llama-2048x16``.
+The checkpoint (llama architecture, hidden 2048, 10 layers, 16 heads / 4 KV heads,
+intermediate 5632, vocab 32000, float32: 582 M parameters, 2.3 GB; 1.2 GB loaded as
+bfloat16 with ``--dtype bfloat16``, which both runtimes then run in) is written once with
+random weights under ``$XDG_CACHE_HOME/shardwise/bench-llama-2048x10``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 10,
     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 5632,
     "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
@@ -48,7 +50,7 @@ def checkpoint() -> Path:
     """The benchmark checkpoint, written once (random weights, HF layout via save_pretrained)."""
     from shardwise.runtime.checkpoint import cache_dir
 
-    folder = cache_dir() / "bench-llama-2048x16"
+    folder = cache_dir() / "bench-llama-2048x10"
     if (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists():
         return folder
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -83,8 +85,9 @@ def stream_gbps(threads: int, numel: int = 64 * 1024 * 1024, passes: int = 5) ->
     return best
 
 
-def token_bytes(folder: Path) -> int:
-    """Weight bytes one decode token reads: everything but the embedding table (one row of it)."""
+def token_bytes(folder: Path, itemsize: int) -> int:
+    """Weight bytes one decode token reads at ``itemsize`` bytes per weight: everything but the
+    embedding table (one row of it)."""
     from shardwise.runtime.loader import load_spec
 
     spec = load_spec(folder)
@@ -93,11 +96,11 @@ def token_bytes(folder: Path) -> int:
         numel = 1
         for s in t.shape:
             numel *= s
-        total += numel * 4 if t.name != "model.embed_tokens.weight" else t.shape[1] * 4
+        total += numel * itemsize if t.name != "model.embed_tokens.weight" else t.shape[1] * itemsize
     return total
 
 
-def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int) -> tuple[float, float]:
+def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dtype: str) -> tuple[float, float]:
     """Decode tok/s as shipped (one-row GEMVs) and with ``exact=True`` (16-row blocks)."""
     from shardwise.plan import ParallelPlan
     from shardwise.runtime.generate import generate
@@ -105,7 +108,7 @@ def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int) ->
     from shardwise.runtime.model import ShardedCausalLM
 
     torch.set_num_threads(threads)
-    model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, "float32", max_seq_len=len(prompt) + tokens)
+    model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, dtype, max_seq_len=len(prompt) + tokens)
     load_shard(model, folder)
     generate(model, prompt, 4)  # warm-up
     shipped = generate(model, prompt, tokens).decode_tok_per_s
@@ -115,11 +118,11 @@ def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int) ->
     return shipped, blocked
 
 
-def transformers_rate(folder: Path, prompt: list[int], tokens: int, threads: int) -> float:
+def transformers_rate(folder: Path, prompt: list[int], tokens: int, threads: int, dtype: str) -> float:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([prompt])
 
     def timed(n: int) -> float:
@@ -135,17 +138,18 @@ def transformers_rate(folder: Path, prompt: list[int], tokens: int, threads: int
     return (tokens - 1) / (full - one)
 
 
-def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, trace: bool) -> list[dict]:
+def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, trace: bool, dtype: str) -> list[dict]:
     from shardwise.runtime.launch import launch_local
     from shardwise.runtime.runner import RunRequest, run_rank
 
     request = RunRequest(checkpoint=str(folder), prompt_ids=tuple(prompt), max_new_tokens=tokens, tp=2,
-                         threads=threads, trace=trace)
+                         threads=threads, trace=trace, dtype=dtype)
     return launch_local(run_rank, 2, args=(request,), run_timeout_s=3600)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and activations")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads at tp=1 (tp=2: half per rank)")
@@ -153,20 +157,20 @@ def main() -> None:
     args = parser.parse_args()
     folder = checkpoint()
     prompt = [(7 * i + 3) % CONFIG["vocab_size"] for i in range(args.prompt)]
-    weight_bytes = token_bytes(folder)
+    weight_bytes = token_bytes(folder, 2 if args.dtype == "bfloat16" else 4)
     bw = stream_gbps(args.threads)
     ceiling = bw["read"] * 1e9 / weight_bytes
     ours, exact, theirs = [], [], []
     for _ in range(args.rounds):
-        shipped, blocked = shardwise_tp1(folder, prompt, args.tokens, args.threads)
+        shipped, blocked = shardwise_tp1(folder, prompt, args.tokens, args.threads, args.dtype)
         ours.append(shipped)
         exact.append(blocked)
-        theirs.append(transformers_rate(folder, prompt, args.tokens, args.threads))
+        theirs.append(transformers_rate(folder, prompt, args.tokens, args.threads, args.dtype))
     half = max(1, args.threads // 2)
-    tp2 = shardwise_tp2(folder, prompt, args.tokens, half, trace=False)[0]["tok_per_s"]
-    traced = shardwise_tp2(folder, prompt, min(args.tokens, 12), half, trace=True)
+    tp2 = shardwise_tp2(folder, prompt, args.tokens, half, False, args.dtype)[0]["tok_per_s"]
+    traced = shardwise_tp2(folder, prompt, min(args.tokens, 12), half, True, args.dtype)
     best, padded, hf = max(ours), max(exact), max(theirs)
-    print(f"llama 2048x16 float32, {weight_bytes / 1e9:.2f} GB read per token, prompt {args.prompt}, "
+    print(f"llama 2048x10 {args.dtype}, {weight_bytes / 1e9:.2f} GB read per token, prompt {args.prompt}, "
           f"tg{args.tokens}, {args.threads} thread(s)")
     print(f"memory bandwidth: read {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s "
           f"-> roofline {ceiling:.2f} tok/s (triad: {bw['triad'] * 1e9 / weight_bytes:.2f})")
@@ -178,7 +182,7 @@ def main() -> None:
     print(f"shardwise tp=2   {tp2:6.2f} tok/s  ({half} thread(s) per rank) = {tp2 / best:.2f}x tp=1")
     from shardwise.runtime.trace import summarize
 
-    summary = summarize([r["trace"] for r in traced], "bench-llama-2048x16", 2, 1, traced[0]["tok_per_s"])
+    summary = summarize([r["trace"] for r in traced], "bench-llama-2048x10", 2, 1, traced[0]["tok_per_s"])
     print("traced tp=2 decode step, per rank (ms, share of step):")
     for r in summary["ranks"]:
         step = r["step_s"]

@@ -34,7 +34,7 @@ from torch import nn
 
 from shardwise.plan import shard_spans
 from shardwise.runtime.attention import per_slot
-from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, shard_param
+from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, linear, shard_param
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv
 from shardwise.spec.mixers import LinearAttentionSpec
 from shardwise.spec.model import TensorSpec
@@ -106,7 +106,7 @@ class SpannedLinear(nn.Module):
         self.weight = spanned_param(weight, spans, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class GatedRMSNorm(nn.Module):

@@ -28,7 +28,7 @@ from torch import nn
 
 from shardwise.plan import local_experts
 from shardwise.quant.layouts import BYTES_PER_BLOCK
-from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, shard_param
+from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, linear, shard_param
 from shardwise.runtime.mxfp4_matmul import mxfp4_matmul
 from shardwise.runtime.packed_weights import BLOCKS, NONE, SCALES, Quantization, packed_param
 from shardwise.spec.model import MoESpec, TensorSpec
@@ -65,7 +65,7 @@ class ExpertLinear(nn.Module):
         if self.packed:
             blocks = self.weight_packed.view(self.weight_scale.shape[0], self.weight_scale.shape[1], BYTES_PER_BLOCK)
             return mxfp4_matmul(x, blocks, self.weight_scale)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -200,7 +200,7 @@ class FusedExperts(nn.Module):
 
     def _project(self, name: str, x: torch.Tensor, i: int, bias: torch.Tensor | None) -> torch.Tensor:
         if name in self._parameters:
-            return F.linear(x, self._parameters[name][i], bias)
+            return linear(x, self._parameters[name][i], bias)
         return mxfp4_matmul(x, self._parameters[f"{name}_blocks"][i], self._parameters[f"{name}_scales"][i], bias)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
