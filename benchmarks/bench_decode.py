@@ -17,7 +17,11 @@ All figures come from this one run on this machine, so the ratios are what to re
 3. **transformers**: ``LlamaForCausalLM.generate`` on the same safetensors checkpoint, same
    dtype, greedy, ``use_cache``; decode tok/s = (N − 1) / (t(N new tokens) − t(1 new token)).
    Rounds alternate 2 and 3; the best round of each is kept.
-4. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each) and a traced tp=2 run
+4. **llama.cpp** (llama-cpp-python, built from source) on the same weights as GGUF — F32 as llama.cpp's
+   converter writes it, BF16 / Q8_0 / Q4_0 by llama.cpp's own quantizer — same threads: decode
+   tok/s, its bytes per token and share of the roofline, and shardwise's ratio at the matching
+   dtype (``--no-llama-cpp`` skips it).
+5. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each) and a traced tp=2 run
    whose per-rank compute / comm / wait shares explain the difference to tp=1.
 
 The checkpoint (llama architecture, hidden 2048, 10 layers, 16 heads / 4 KV heads,
@@ -138,6 +142,78 @@ def transformers_rate(folder: Path, prompt: list[int], tokens: int, threads: int
     return (tokens - 1) / (full - one)
 
 
+LLAMA_CPP_FORMATS = {"F32": None, "BF16": 32, "Q8_0": 7, "Q4_0": 2}  # name -> llama_ftype (llama.h) to quantize to
+
+
+def gguf_files(folder: Path) -> dict[str, Path]:
+    """The checkpoint as GGUF at each of ``LLAMA_CPP_FORMATS``, written once beside it: F32 by
+    ``shardwise.testing.llama_gguf`` (what llama.cpp's converter writes; the tokenizer copied from a
+    tiny checkpoint, padded to the vocabulary), the others by llama.cpp's own ``llama_model_quantize``."""
+    import shutil
+    import tempfile
+
+    import llama_cpp
+
+    from shardwise.runtime.checkpoint import make_checkpoint
+    from shardwise.testing.llama_gguf import write_llama_gguf
+
+    files = {fmt: folder / f"gguf-{fmt.lower()}.gguf" for fmt in LLAMA_CPP_FORMATS}
+    if not files["F32"].exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            tiny = make_checkpoint("llama-3.1-8b", "tiny", Path(tmp) / "tiny", seed=0)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(tiny / name, folder / name)
+        write_llama_gguf(folder, files["F32"].with_suffix(".partial"), "f32").rename(files["F32"])
+    for fmt, ftype in LLAMA_CPP_FORMATS.items():
+        if ftype is not None and not files[fmt].exists():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype, params.nthread = ftype, os.cpu_count() or 1
+            partial = files[fmt].with_suffix(".partial")
+            if llama_cpp.llama_model_quantize(str(files["F32"]).encode(), str(partial).encode(), params) != 0:
+                raise RuntimeError(f"llama.cpp could not quantize to {fmt}")
+            partial.rename(files[fmt])
+    return files
+
+
+def llama_cpp_files(folder: Path) -> dict[str, Path]:
+    """``gguf_files(folder)``, or none (printed) when llama-cpp-python or gguf is not installed."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        print(f"llama.cpp left out: {exc} (pip install llama-cpp-python gguf)")
+        return {}
+    return gguf_files(folder)
+
+
+def gguf_token_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors one decode token reads: all but the token embedding (one row)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    total = 0
+    for t in reader.tensors:
+        total += int(t.n_bytes) // (int(t.shape[-1]) if t.name == "token_embd.weight" else 1)
+    return total
+
+
+def llama_cpp_rate(path: Path, prompt: list[int], tokens: int, threads: int) -> float:
+    """llama.cpp's decode tok/s on one GGUF: the prompt evaluated, then ``tokens`` single-token
+    evaluations timed (one forward and its logits each, as a decode step; no sampling)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + tokens + 8, n_threads=threads, n_threads_batch=threads,
+                          n_batch=len(prompt), verbose=False)
+    llm.eval(prompt)
+    llm.eval([prompt[-1]])  # warm-up step
+    t0 = time.perf_counter()
+    for i in range(tokens):
+        llm.eval([prompt[i % len(prompt)]])
+    rate = tokens / (time.perf_counter() - t0)
+    llm.close()
+    return rate
+
+
 def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, trace: bool, dtype: str) -> list[dict]:
     from shardwise.runtime.launch import launch_local
     from shardwise.runtime.runner import RunRequest, run_rank
@@ -153,6 +229,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads at tp=1 (tp=2: half per rank)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (llama-cpp-python) at F32/BF16/Q8_0/Q4_0")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of shardwise tp=1 and transformers")
     args = parser.parse_args()
     folder = checkpoint()
@@ -160,12 +237,16 @@ def main() -> None:
     weight_bytes = token_bytes(folder, 2 if args.dtype == "bfloat16" else 4)
     bw = stream_gbps(args.threads)
     ceiling = bw["read"] * 1e9 / weight_bytes
+    ggufs = {} if args.no_llama_cpp else llama_cpp_files(folder)
     ours, exact, theirs = [], [], []
+    peer: dict[str, list[float]] = {fmt: [] for fmt in ggufs}
     for _ in range(args.rounds):
         shipped, blocked = shardwise_tp1(folder, prompt, args.tokens, args.threads, args.dtype)
         ours.append(shipped)
         exact.append(blocked)
         theirs.append(transformers_rate(folder, prompt, args.tokens, args.threads, args.dtype))
+        for fmt, path in ggufs.items():
+            peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads))
     half = max(1, args.threads // 2)
     tp2 = shardwise_tp2(folder, prompt, args.tokens, half, False, args.dtype)[0]["tok_per_s"]
     traced = shardwise_tp2(folder, prompt, min(args.tokens, 12), half, True, args.dtype)
@@ -179,6 +260,14 @@ def main() -> None:
     print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
     print(f"shardwise / transformers = {best / hf:.2f}x ({padded / hf:.2f}x with exact=True); "
           f"shardwise / roofline = {100 * best / ceiling:.0f}% ({100 * padded / ceiling:.0f}%)")
+    same = {"float32": "F32", "bfloat16": "BF16"}[args.dtype]
+    for fmt, rates in peer.items():
+        nbytes = gguf_token_bytes(ggufs[fmt])
+        roof = bw["read"] * 1e9 / nbytes
+        versus = (f"shardwise {args.dtype} / llama.cpp = {best / max(rates):.2f}x" if fmt == same else
+                  f"shardwise at {fmt}: {'no CPU int8/4-bit dense path yet' if fmt.startswith('Q') else 'run --dtype ' + fmt.lower().replace('f32', 'float32').replace('bf16', 'bfloat16')}")
+        print(f"llama.cpp {fmt:5s} {max(rates):6.2f} tok/s  ({nbytes / 1e9:.2f} GB per token, {100 * max(rates) / roof:.0f}% "
+              f"of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}); {versus}")
     print(f"shardwise tp=2   {tp2:6.2f} tok/s  ({half} thread(s) per rank) = {tp2 / best:.2f}x tp=1")
     from shardwise.runtime.trace import summarize
 
@@ -190,7 +279,8 @@ def main() -> None:
                           for k in ("compute_s", "comm_s", "wait_s", "sync_s", "other_s"))
         print(f"  rank {r['rank']}: step {step * 1e3:.1f} ms = {parts}")
     print(json.dumps({"roofline_tok_per_s": ceiling, "bandwidth_gbps": bw, "shardwise_tp1": best,
-                      "shardwise_tp1_exact": padded, "transformers": hf, "shardwise_tp2": tp2, "trace_ranks": summary["ranks"]}))
+                      "shardwise_tp1_exact": padded, "transformers": hf, "shardwise_tp2": tp2,
+                      "llama_cpp": {fmt: max(rates) for fmt, rates in peer.items()}, "trace_ranks": summary["ranks"]}))
 
 
 if __name__ == "__main__":
