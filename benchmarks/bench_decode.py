@@ -21,7 +21,8 @@ All figures come from this one run on this machine, so the ratios are what to re
    converter writes it, BF16 / Q8_0 / Q4_0 by llama.cpp's own quantizer — same threads: decode
    tok/s, its bytes per token and share of the roofline, and shardwise's ratio at the matching
    dtype (``--no-llama-cpp`` skips it).
-5. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each) and a traced tp=2 run
+5. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each; all-reduce by gloo's
+   ``builtin`` and through shared memory, ``shm``) and a traced tp=2 run
    whose per-rank compute / comm / wait shares explain the difference to tp=1.
 
 The checkpoint (llama architecture, hidden 2048, 10 layers, 16 heads / 4 KV heads,
@@ -214,12 +215,13 @@ def llama_cpp_rate(path: Path, prompt: list[int], tokens: int, threads: int) -> 
     return rate
 
 
-def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, trace: bool, dtype: str) -> list[dict]:
+def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, trace: bool, dtype: str,
+                  allreduce: str) -> list[dict]:
     from shardwise.runtime.launch import launch_local
     from shardwise.runtime.runner import RunRequest, run_rank
 
     request = RunRequest(checkpoint=str(folder), prompt_ids=tuple(prompt), max_new_tokens=tokens, tp=2,
-                         threads=threads, trace=trace, dtype=dtype)
+                         threads=threads, trace=trace, dtype=dtype, allreduce=allreduce)
     return launch_local(run_rank, 2, args=(request,), run_timeout_s=3600)
 
 
@@ -248,8 +250,9 @@ def main() -> None:
         for fmt, path in ggufs.items():
             peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads))
     half = max(1, args.threads // 2)
-    tp2 = shardwise_tp2(folder, prompt, args.tokens, half, False, args.dtype)[0]["tok_per_s"]
-    traced = shardwise_tp2(folder, prompt, min(args.tokens, 12), half, True, args.dtype)
+    tp2 = {name: shardwise_tp2(folder, prompt, args.tokens, half, False, args.dtype, name)[0]["tok_per_s"]
+           for name in ("builtin", "shm")}
+    traced = shardwise_tp2(folder, prompt, min(args.tokens, 12), half, True, args.dtype, "shm")
     best, padded, hf = max(ours), max(exact), max(theirs)
     print(f"llama 2048x10 {args.dtype}, {weight_bytes / 1e9:.2f} GB read per token, prompt {args.prompt}, "
           f"tg{args.tokens}, {args.threads} thread(s)")
@@ -268,11 +271,12 @@ def main() -> None:
                   f"shardwise at {fmt}: {'no CPU int8/4-bit dense path yet' if fmt.startswith('Q') else 'run --dtype ' + fmt.lower().replace('f32', 'float32').replace('bf16', 'bfloat16')}")
         print(f"llama.cpp {fmt:5s} {max(rates):6.2f} tok/s  ({nbytes / 1e9:.2f} GB per token, {100 * max(rates) / roof:.0f}% "
               f"of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}); {versus}")
-    print(f"shardwise tp=2   {tp2:6.2f} tok/s  ({half} thread(s) per rank) = {tp2 / best:.2f}x tp=1")
+    for name, rate in tp2.items():
+        print(f"shardwise tp=2   {rate:6.2f} tok/s  ({half} thread(s) per rank, --allreduce {name}) = {rate / best:.2f}x tp=1")
     from shardwise.runtime.trace import summarize
 
     summary = summarize([r["trace"] for r in traced], "bench-llama-2048x10", 2, 1, traced[0]["tok_per_s"])
-    print("traced tp=2 decode step, per rank (ms, share of step):")
+    print("traced tp=2 decode step (--allreduce shm), per rank (ms, share of step):")
     for r in summary["ranks"]:
         step = r["step_s"]
         parts = ", ".join(f"{k[:-2]} {r[k] * 1e3:.1f} ({100 * r[k] / step:.0f}%)"

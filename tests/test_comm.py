@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import comm
+from shardwise.runtime.shm_allreduce import CAPACITY_BYTES
 from shardwise.runtime.launch import launch_local
 
 WORLD = 5
@@ -25,10 +26,10 @@ SIZES = (1, 3, 1000, BIG)
 SHAPES = {1000: (8, 125)}  # the 1000-element case runs as a 2-D tensor
 # 1 Mi elements costs a second per case on a busy 2-core box: the algorithms run it at
 BIG_CASES = {
-    2: ("ring", "ring-permuted", "rd", "oneshot", "builtin", "two-level/1/rd", "two-level/2"),
-    3: ("ring", "rd", "oneshot", "builtin"),
+    2: ("ring", "ring-permuted", "rd", "oneshot", "builtin", "two-level/1/rd", "two-level/2", "shm"),
+    3: ("ring", "rd", "oneshot", "builtin", "shm"),
     4: ("ring", "two-level/2", "builtin"),
-    5: ("ring", "rd", "builtin"),
+    5: ("ring", "rd", "builtin", "shm"),
 }
 
 
@@ -74,6 +75,7 @@ def _cases(p: int, group) -> list[tuple[str, object, list[int] | None]]:
         ("rd", lambda t: comm.recursive_doubling_allreduce(t, group=group), None),
         ("oneshot", lambda t: comm.oneshot_allreduce(t, group=group), None),
         ("builtin", lambda t: comm.builtin_allreduce(t, group=group), None),
+        ("shm", lambda t: comm.shm_allreduce(t, group=group), None),
         ("two-level/1/rd", lambda t: comm.two_level_allreduce(t, 1, group, inter="rd"), None),
     ]
     for k in range(1, p + 1):
@@ -119,7 +121,7 @@ def _comm_worker(rank: int, world_size: int) -> dict:
                     "close_f64": ref64 is None
                     or torch.allclose(got.double(), ref64, rtol=1e-5, atol=1e-5),
                 }
-                if name == "oneshot":
+                if name in ("oneshot", "shm"):  # both sum in the group's rank order
                     rec["documented_order"] = torch.equal(got, in_rank_order)
                 if order is not None:
                     rec["documented_order"] = torch.equal(got, _ring_reference(xs, order))
@@ -130,6 +132,9 @@ def _comm_worker(rank: int, world_size: int) -> dict:
     dist.all_reduce(expect)
     for name in comm.ALLREDUCE_ALGORITHMS:
         records[("int64", name)] = torch.equal(comm.get_allreduce(name)(x.clone()), expect)
+    # shm in slot-sized pieces: two whole slots and a tail, the same bits as the one-shot's rank order
+    x = _data(rank, 2 * CAPACITY_BYTES // 4 + 3, "rand")
+    records["shm pieces"] = torch.equal(comm.shm_allreduce(x.clone()), comm.oneshot_allreduce(x.clone()))
     try:
         comm.ring_allreduce(torch.ones(4), order=[0] * world_size)
         records["bad order"] = "no error"
@@ -169,13 +174,14 @@ def test_allreduce_matches_builtin_and_is_bit_identical(results, p):
 def test_registry_defaults_and_bad_order(results):
     for r, res in enumerate(results):
         assert all(res[("int64", name)] for name in comm.ALLREDUCE_ALGORITHMS), r
+        assert res["shm pieces"], r
         assert "is not a permutation of the group's ranks [0, 1, 2, 3, 4]" in res["bad order"]
 
 
 def test_get_allreduce_names_and_errors():
-    assert set(comm.ALLREDUCE_ALGORITHMS) == {"ring", "rd", "oneshot", "two-level", "builtin"}
+    assert set(comm.ALLREDUCE_ALGORITHMS) == {"ring", "rd", "oneshot", "two-level", "builtin", "shm"}
     assert comm.get_allreduce("ring") is comm.ring_allreduce
-    with pytest.raises(ShardwiseError, match="valid names are ring, rd, oneshot, two-level, builtin"):
+    with pytest.raises(ShardwiseError, match="valid names are ring, rd, oneshot, two-level, builtin, shm"):
         comm.get_allreduce("auto")
     with pytest.raises(ShardwiseError, match="contiguous"):
         comm.ring_allreduce(torch.ones(4, 4).t())

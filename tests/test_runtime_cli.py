@@ -119,11 +119,12 @@ def test_bad_layout_names_nearest_valid(tiny):
     assert "nearest valid is --tp 4" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_cli_run_json_tp2_sampling_matches_tp1(tiny):
+@pytest.mark.parametrize("allreduce", ["ring", "shm"])
+def test_cli_run_json_tp2_sampling_matches_tp1(tiny, allreduce):
     folder = tiny["qwen3-30b-a3b"]
     proc = run_cli(
         "run", str(folder), "--tp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json",
-        "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--allreduce", "ring",
+        "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--allreduce", allreduce,
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)

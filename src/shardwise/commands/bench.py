@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
         prompt_ids: Annotated[Optional[str], typer.Option("--prompt-ids", help="prompt token ids, e.g. 1,2,3")] = None,
         max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens to decode")] = 48,
         dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
-        allreduce: Annotated[str, typer.Option("--allreduce", help="ring, rd, oneshot, two-level, builtin or auto")] = "auto",
+        allreduce: Annotated[str, typer.Option("--allreduce", help="ring, rd, oneshot, two-level, builtin, shm (ranks on one host) or auto")] = "auto",
         probe: Annotated[Optional[Path], typer.Option("--probe", help="probe JSON (`shardwise probe --json-out`); default: probe now")] = None,
         out: Annotated[Optional[Path], typer.Option("--out", help="bench JSON path (default bench.json; with --url: none)")] = None,
         trace: Annotated[Path, typer.Option("--trace", help="Chrome trace path (measured ranks + predicted step)")] = Path("bench.trace.json"),

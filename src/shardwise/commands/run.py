@@ -200,7 +200,7 @@ def register(app: typer.Typer) -> None:
         top_p: Annotated[float, typer.Option("--top-p", help="nucleus sampling mass")] = 1.0,
         seed: Annotated[int, typer.Option("--seed", help="sampling seed (the same on every rank)")] = 0,
         backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU)")] = "gloo",
-        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level, or auto (cheapest by the α-β model)")] = "builtin",
+        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level, shm (shared memory, ranks on one host) or auto (cheapest by the α-β model)")] = "builtin",
         cluster: Annotated[Optional[str], typer.Option("--cluster", help="cluster TOML (from `shardwise probe`) whose α/β --allreduce auto uses")] = None,
         trace: Annotated[Optional[Path], typer.Option("--trace", help="write a per-layer, per-rank Chrome trace (Perfetto) here and its summary to NAME.summary.json")] = None,
         timeout: Annotated[float, typer.Option("--timeout", help="seconds the rendezvous or one collective may block before the run fails")] = DEFAULT_TIMEOUT_S,

@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="tokens per sequence (prompt + generated), the size of each slot (default: 2048 or the model's positions if fewer)")] = None,
         prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="prompt tokens read per step between decode steps")] = 128,
         dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
-        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot or two-level")] = "builtin",
+        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level or shm (shared memory, ranks on one host)")] = "builtin",
         backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU)")] = "gloo",
         served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="model id clients send (default: the checkpoint folder's name)")] = None,
         timeout: Annotated[float, typer.Option("--timeout", help="seconds one collective may block before the server fails")] = SERVE_TIMEOUT_S,

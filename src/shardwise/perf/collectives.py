@@ -144,12 +144,14 @@ ALLREDUCE_ALGORITHMS: dict[str, CostFn] = {
 and the CLI use; ``best_allreduce`` breaks ties in this order. The runtime runs ring, rd and
 oneshot itself; tree is NCCL's."""
 
-RUNTIME_ALGORITHMS = ("ring", "rd", "oneshot", "two-level", "builtin")
+RUNTIME_ALGORITHMS = ("ring", "rd", "oneshot", "two-level", "builtin", "shm")
 """The runtime's all-reduce algorithms (``runtime.comm.ALLREDUCE_ALGORITHMS``)."""
 
-PLANNER_ALGORITHM = {"ring": "ring", "rd": "rd", "oneshot": "oneshot", "two-level": "ring", "builtin": "ring"}
+PLANNER_ALGORITHM = {"ring": "ring", "rd": "rd", "oneshot": "oneshot", "two-level": "ring", "builtin": "ring",
+                     "shm": "oneshot"}
 """The flat formula the planner charges each runtime algorithm with (two-level on one host and
-the backend's builtin as a ring; a probe's per-call overhead absorbs the difference)."""
+the backend's builtin as a ring, shared memory as a one-shot: each rank reads every rank's part;
+a probe's per-call overhead and α absorb the difference)."""
 
 
 def runtime_allreduce_s(name: str, n_bytes, p: int, alpha_s, beta_bytes_per_s, ranks_per_host: int | None = None):

@@ -33,6 +33,8 @@ oneshot    1 (p−1 sends in flight)       (p−1) · n
 two-level  intra reduce, inter ring/rd,  intra: n (leaders receive (k−1)·n),
            intra broadcast               inter: as ring/rd over the leaders
 builtin    backend's choice              backend's choice
+shm        none: one shared-memory       n into its slot, reads p·n (one host only,
+           segment, a flag per rank      ``runtime.shm_allreduce``)
 ========== ============================ ==========================================
 """
 
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
+from shardwise.runtime.shm_allreduce import shm_allreduce
 
 __all__ = [
     "ALLREDUCE_ALGORITHMS",
@@ -53,6 +56,7 @@ __all__ = [
     "oneshot_allreduce",
     "recursive_doubling_allreduce",
     "ring_allreduce",
+    "shm_allreduce",
     "two_level_allreduce",
 ]
 
@@ -320,6 +324,7 @@ ALLREDUCE_ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "oneshot": oneshot_allreduce,
     "two-level": two_level_allreduce,
     "builtin": builtin_allreduce,
+    "shm": shm_allreduce,
 }
 """Name → in-place SUM all-reduce; each is callable as ``fn(t)`` with defaults."""
 
