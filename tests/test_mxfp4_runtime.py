@@ -84,12 +84,17 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     ds = make_checkpoint("deepseek-v3", "tiny", root / "deepseek_float", seed=7)
     quantize_checkpoint(ds, root / "deepseek_v3", compare=False)
     out["deepseek_v3"] = root / "deepseek_v3"
+    # Qwen3.5 (a VL wrapper: quantization_config beside text_config), every eligible Linear: the fused
+    # q|k|v of Gated DeltaNet too, which each rank reads as its own row spans of the packed tensor
+    q35 = make_checkpoint("qwen3.5-397b-a17b", "tiny", root / "qwen3_5_float", seed=8)
+    quantize_checkpoint(q35, root / "qwen3_5", compare=False)
+    out["qwen3_5"] = root / "qwen3_5"
     # a transformers-saved float gpt-oss, quantized by `shardwise quantize` (up-rounded scales)
     hf_float = _transformers_gpt_oss(root / "hf_float")
     out["hf_float"] = hf_float
     quantize_checkpoint(hf_float, root / "hf_gpt_oss", scale_rounding="up", compare=False)
     out["hf_gpt_oss"] = root / "hf_gpt_oss"
-    for key in ("gpt_oss", "qwen3_moe", "deepseek_v3", "hf_gpt_oss"):
+    for key in ("gpt_oss", "qwen3_moe", "deepseek_v3", "hf_gpt_oss", "qwen3_5"):
         out[key + "_ref"] = dequantize_checkpoint(out[key], root / f"{key}_ref")
     return out
 
@@ -189,7 +194,7 @@ def _rank_cases(rank: int, world_size: int, cases: list) -> list[dict]:
 
 def test_tp2_matches_dequantized_reference(ckpts):
     cases = [("gpt_oss", 2, 2), ("gpt_oss", 2, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 2, 1), ("deepseek_v3", 2, 2),
-             ("hf_gpt_oss", 2, 2)]
+             ("hf_gpt_oss", 2, 2), ("qwen3_5", 2, 2)]
     results = launch_local(_rank_cases, 2, args=([(str(ckpts[k]), tp, ep) for k, tp, ep in cases],),
                            timeout_s=120, run_timeout_s=240)
     for i, (key, tp, ep) in enumerate(cases):

@@ -387,7 +387,15 @@ def read_vocab_rows(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint, rows:
 def read_spans(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint, spans: list[tuple[int, int]]) -> torch.Tensor:
     """Ranges ``spans`` of ``tensor`` along its ``tp_dim``, concatenated: a rank's share of a fused
     tensor whose parts are each split on their own (Gated DeltaNet's q|k|v ``in_proj_qkv`` and
-    ``conv1d``: ``plan.shard_spans``)."""
+    ``conv1d``: ``plan.shard_spans``). Stored packed (MXFP4, whole rows), the rows are read packed
+    and decoded to float32."""
+    quant = quantization(spec)
+    if quant.packed(tensor):
+        if tensor.tp_dim != 0:
+            raise ShardwiseError(f"{tensor.name}: a packed fused tensor must be split by rows (tp_dim 0)")
+        packed = [torch.cat([ckpt.read(name, (slice(a, b),)) for a, b in spans]) for name in quant.names(tensor, None)]
+        blocks, scales = packed
+        return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)
     src = sources(spec, tensor, ckpt)
     lead = (slice(None),) * tensor.tp_dim
     return torch.cat([ckpt.read(src.name, lead + (slice(a, b),)) for a, b in spans], dim=tensor.tp_dim)

@@ -104,7 +104,10 @@ def parse_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     if not tie:
         globals_.append(TensorSpec("lm_head.weight", (vocab, hidden), LM_HEAD, tp_dim=0, tp_pad=True))
     dtype = _dtype_name(data.get("torch_dtype") or data.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    quant_method, formats = _quant_formats(data.get("quantization_config") or config.get("quantization_config"))
+    qc = data.get("quantization_config") or config.get("quantization_config")
+    quant_method, formats = _quant_formats(qc)
+    if qc is not None and "quantization_config" not in data:  # a VL wrapper holds it beside text_config
+        data = {**data, "quantization_config": qc}
     return ModelSpec(
         name=name,
         model_type=model_type,
