@@ -57,6 +57,14 @@ def cli_in_process(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def alive(pid: int) -> bool:
+    """Is process ``pid`` running (not gone, not a zombie)?"""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def cli_json(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S) -> dict:
     """``shardwise ARGS --json``, which must exit 0; its stdout parsed."""
     proc = run_cli(*args, "--json", env=env, timeout=timeout)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import cli_argv, cli_env
+from conftest import alive, cli_argv, cli_env
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.spec.model import NORM
 from shardwise.spec.parse import parse_config
@@ -62,13 +62,6 @@ def _ranks_of(pid: int) -> dict[int, int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _long_run(llama6: Path, tp: int, tokens: int = 20000, session: bool = False):
     """A `shardwise run` decoding far longer than any test (rank 0 sleeps 1 ms per layer, a testing
     hook), returned once generation is under way: (process, its stderr lines so far — a thread keeps
@@ -98,7 +91,7 @@ def _end(proc: subprocess.Popen, ranks: dict[int, int], reader: threading.Thread
     """Whatever a failed test left: the command and its ranks killed (a stopped rank continued first)."""
     for pid in ranks.values():
         with contextlib.suppress(ProcessLookupError):  # it may exit between the look and the kill
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
     if proc.poll() is None:
@@ -127,7 +120,7 @@ def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
         assert f"[shardwise rank {r}] stopping: {lost}" in stderr, stderr
         assert f"then rank {r}: stopped after rank {victim} of {tp} failed (exit code 1)" in last, last
     assert "Traceback" not in stderr, stderr  # the survivors' knock-on errors stay one line
-    assert not any(_alive(pid) for pid in ranks.values())
+    assert not any(alive(pid) for pid in ranks.values())
 
 
 def test_sigstop_one_rank_is_named_within_60_s(llama6):
@@ -148,7 +141,7 @@ def test_sigstop_one_rank_is_named_within_60_s(llama6):
     assert "then rank 0: stopped after rank 1 of 2 failed" in last, last
     assert "[shardwise rank 0] stopping: rank 1 of 2 failed: stopped making progress" in stderr, stderr
     assert "Traceback" not in stderr, stderr
-    assert not any(_alive(pid) for pid in ranks.values())
+    assert not any(alive(pid) for pid in ranks.values())
 
 
 @pytest.mark.parametrize("to", ["leader", "group"])
@@ -166,4 +159,4 @@ def test_sigint_exits_130_and_leaves_no_rank(llama6, to):
     stderr = "".join(lines)
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "error: interrupted" and "Traceback" not in stderr, stderr
-    assert not any(_alive(pid) for pid in ranks.values())
+    assert not any(alive(pid) for pid in ranks.values())

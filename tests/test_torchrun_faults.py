@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from conftest import alive, cli_env
 from shardwise.runtime.checkpoint import make_checkpoint
 
 LIMIT_S = 60.0
@@ -50,13 +50,6 @@ def _ranks(parent: int) -> dict[int, int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def test_frozen_rank_under_torchrun_is_named_and_ends_every_process(tmp_path):
     ckpt = make_checkpoint("llama-3.1-8b", "tiny", tmp_path / "llama", seed=3)
     proc = _torchrun("-m", "shardwise", "run", str(ckpt), "--tp", "2", "--prompt-ids", "1,2,3",
@@ -78,7 +71,7 @@ def test_frozen_rank_under_torchrun_is_named_and_ends_every_process(tmp_path):
         took = time.monotonic() - stopped
     finally:
         for pid in ranks.values():
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
@@ -86,7 +79,7 @@ def test_frozen_rank_under_torchrun_is_named_and_ends_every_process(tmp_path):
     assert proc.returncode != 0, out
     assert took < 15, f"took {took:.1f} s with a 3 s threshold"
     assert "error: [shardwise rank 0] stopping: rank 1 of 2 stopped making progress: no heartbeat for" in out, out
-    assert not any(_alive(pid) for pid in ranks.values())  # the frozen rank too: its peer on this host killed it
+    assert not any(alive(pid) for pid in ranks.values())  # the frozen rank too: its peer on this host killed it
 
 
 def test_a_rank_that_finished_first_is_not_called_frozen(tmp_path):
