@@ -1,16 +1,21 @@
 """Ranks started by torchrun watch each other through the rendezvous store (runtime/peer_watch.py):
-a frozen rank ends the run within seconds, named, with no process left; a rank that finished
-first is not mistaken for a frozen one. The frozen-rank threshold is shortened with the testing
+a frozen rank ends the run (`run`, and `serve` with its stream failed) within seconds, named, with no
+process left; a rank that finished first is not mistaken for a frozen one. The frozen-rank threshold is shortened with the testing
 hook (SHARDWISE_TEST_FROZEN_S=3); tests/test_runtime_failures.py holds the default under 60 s."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+from http.client import HTTPException
 from pathlib import Path
 
 import pytest
@@ -98,3 +103,54 @@ def test_a_rank_that_finished_first_is_not_called_frozen(tmp_path):
     out = proc.communicate(timeout=LIMIT_S)[0]
     assert proc.returncode == 0, out
     assert "done 0" in out and "done 1" in out and "stopped making progress" not in out, out
+
+
+def test_frozen_rank_under_torchrun_serve_ends_the_stream_in_an_error(tmp_path):
+    """`shardwise serve` under torchrun: a rank frozen mid-stream — rank 0's watcher fails the request
+    (an error event on the stream), names the rank, and every process ends."""
+    ckpt = make_checkpoint("llama-3.1-8b", "tiny", tmp_path / "llama", seed=3)
+    port = _port()
+    proc = _torchrun("-m", "shardwise", "serve", str(ckpt), "--tp", "2", "--port", str(port), "--max-model-len", "256",
+                     env={})
+    base, ranks, stream = f"http://127.0.0.1:{port}", {}, []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            time.sleep(0.5)
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
+            model = json.loads(resp.read())["data"][0]["id"]
+        body = {"model": model, "prompt": [4, 5, 6], "max_tokens": 200, "stream": True, "ignore_eos": True}
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+
+        def read() -> None:
+            with contextlib.suppress(OSError, HTTPException), urllib.request.urlopen(req, timeout=60) as resp:
+                for line in resp:
+                    stream.append(line.decode())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        while not stream:
+            assert time.monotonic() < deadline + 60, "no token streamed"
+            time.sleep(0.05)
+        ranks = _ranks(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        out = proc.communicate(timeout=LIMIT_S)[0]
+        reader.join(10)
+    finally:
+        for pid in ranks.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0, out
+    assert "rank 1 of 2 stopped making progress" in out, out
+    assert any('"error"' in line for line in stream), "".join(stream)[-2000:]
+    assert not any(alive(pid) for pid in ranks.values())
