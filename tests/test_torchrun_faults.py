@@ -40,6 +40,16 @@ def _torchrun(*args: str, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
+def _end(proc: subprocess.Popen, ranks: dict[int, int]) -> None:
+    """Whatever a failed test left: torchrun and its ranks killed (a stopped rank continued first)."""
+    for pid in ranks.values():
+        if alive(pid):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+
+
 def _ranks(parent: int) -> dict[int, int]:
     """{RANK: pid} of torchrun's worker processes."""
     found = {}
@@ -75,12 +85,7 @@ def test_frozen_rank_under_torchrun_is_named_and_ends_every_process(tmp_path):
         out = proc.communicate(timeout=LIMIT_S)[0]
         took = time.monotonic() - stopped
     finally:
-        for pid in ranks.values():
-            if alive(pid):
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
-        proc.kill()
-        proc.wait()
+        _end(proc, ranks)
     assert proc.returncode != 0, out
     assert took < 15, f"took {took:.1f} s with a 3 s threshold"
     assert "error: [shardwise rank 0] stopping: rank 1 of 2 stopped making progress: no heartbeat for" in out, out
@@ -144,12 +149,7 @@ def test_frozen_rank_under_torchrun_serve_ends_the_stream_in_an_error(tmp_path):
         out = proc.communicate(timeout=LIMIT_S)[0]
         reader.join(10)
     finally:
-        for pid in ranks.values():
-            if alive(pid):
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
-        proc.kill()
-        proc.wait()
+        _end(proc, ranks)
     assert proc.returncode != 0, out
     assert "rank 1 of 2 stopped making progress" in out, out
     assert any('"error"' in line for line in stream), "".join(stream)[-2000:]
