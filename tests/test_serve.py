@@ -230,7 +230,8 @@ def _wait_until_slot_taken(server) -> None:
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_failed_rank_errors_requests_and_exits_nonzero(tmp_path, fault):
     """kill -9 or SIGSTOP a non-leader rank mid-stream: the stream ends in an error, /health turns 503,
-    the server exits non-zero well within 60 s, and no process is left. The frozen-rank threshold is the
+    the server exits non-zero well within 60 s, and no process is left; a request that arrives while the
+    step waits on the frozen rank gets a 503 naming the failure. The frozen-rank threshold is the
     testing hook's 3 s (tests/test_runtime_failures.py holds the default under 60 s)."""
     with ServeProcess("--tp", "2", "--max-model-len", "256", log_dir=tmp_path,
                       env={"SHARDWISE_TEST_FROZEN_S": "3"}) as srv:
@@ -239,6 +240,11 @@ def test_failed_rank_errors_requests_and_exits_nonzero(tmp_path, fault):
         victim = srv.rank_pid(1)
         t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        queued: list = []  # a request sent while the step waits on the frozen rank sits in the inbox
+        if fault == "freeze":
+            body = {"model": MODEL, "prompt": [7, 8], "max_tokens": 4}
+            late = threading.Thread(target=lambda: queued.append(http(srv.base_url + "/completions", body)))
+            late.start()
         saw_503 = False
         while srv.proc.poll() is None and time.monotonic() - t0 < 60:
             try:
@@ -253,6 +259,8 @@ def test_failed_rank_errors_requests_and_exits_nonzero(tmp_path, fault):
         assert "rank 1 of 2 failed" in srv.stderr().splitlines()[-2]
         if fault == "freeze":
             assert "no heartbeat" in srv.stderr()
+            late.join(10)
+            assert queued and queued[0][0] == 503 and b"the server failed" in queued[0][1], queued
         assert srv.leftovers() == []
 
 

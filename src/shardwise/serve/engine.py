@@ -12,6 +12,7 @@ error event and the loop raises, which brings every rank down.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -66,12 +67,19 @@ class Engine:
         return self.state == "ready", self.reason
 
     def fail(self, reason: str) -> None:
-        """Mark the server failed and send every in-flight request an error (any thread)."""
+        """Mark the server failed and send every in-flight request an error (any thread), those still
+        in the inbox too (a step blocked on a frozen rank never takes them)."""
         with self._lock:
             if self.state == "failed":
                 return
             self.state, self.reason = "failed", reason
-            for seq in self.scheduler.in_flight():
+            queued = []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    kind, seq = self.inbox.get_nowait()
+                    if kind == "add":
+                        queued.append(seq)
+            for seq in [*self.scheduler.in_flight(), *queued]:
                 seq.sink(("error", 503, f"the server failed: {reason}"))
 
     def request_stop(self) -> None:
