@@ -1,6 +1,7 @@
 """The model against published measurements, and the calibration that fits the runtime profiles."""
 
 import csv
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -102,3 +103,31 @@ def test_batched_rows_are_resolved_and_reported_apart():
         per_sequence = decode_speed(scenario_of(resolved, get_profile(resolved.profile)))[0]
         assert row["predicted_tok_per_s"] == pytest.approx(32 * per_sequence)
         assert per_sequence < decode_speed(scenario_of(replace(resolved, batch=1), get_profile(resolved.profile)))[0]
+
+
+def test_cross_validation_never_fits_on_the_row_it_predicts(tmp_path):
+    """`validate --cv`: each batch-1 row is predicted by profiles fitted on the other sources only. So
+    making one fitted row's measurement wildly wrong moves the in-sample fit (and the other rows'
+    held-out predictions of that profile) but not that row's own held-out prediction."""
+    doc = validate_file(DEFAULT_CSV, cv=True)
+    cv = doc["cv"]
+    assert cv["rows"] == doc["resolved"] and cv["no_other_source"] == 0
+    scored = [r for r in doc["rows"] if r["batch"] == 1]
+    assert cv["median_ape"] == statistics.median(r["cv_ape"] for r in scored)
+    assert cv["median_ape"] > doc["median_ape"]  # out of sample cannot beat the fit on its own rows here
+    victim = next(r for r in scored if r["id"] == "S1")  # a vllm row: that profile is fitted on several sources
+    with DEFAULT_CSV.open(newline="") as f:
+        table = list(csv.reader(f))
+    column = table[0].index("decode_tok_s")
+    for row in table[1:]:
+        if row and row[0] == victim["id"]:
+            row[column] = str(victim["measured_tok_per_s"] * 20)
+    changed = tmp_path / "changed.csv"
+    with changed.open("w", newline="") as f:
+        csv.writer(f).writerows(table)
+    again = validate_file(changed, cv=True)
+    by_id = {r["id"]: r for r in again["rows"]}
+    assert by_id[victim["id"]]["measured_tok_per_s"] == victim["measured_tok_per_s"] * 20
+    assert by_id[victim["id"]]["cv_predicted_tok_per_s"] == victim["cv_predicted_tok_per_s"]
+    others = [r for r in scored if r["profile"] == "vllm" and r["id"] != victim["id"]]
+    assert any(by_id[r["id"]]["cv_predicted_tok_per_s"] != r["cv_predicted_tok_per_s"] for r in others)

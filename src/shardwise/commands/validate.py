@@ -16,12 +16,13 @@ def register(app: typer.Typer) -> None:
     def validate_command(
         csv_path: Annotated[Optional[Path], typer.Argument(help="measurements CSV (default: data/measurements.csv)")] = None,
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
+        cv: Annotated[bool, typer.Option("--cv", help="also predict each row with profiles fitted without its source (leave one source out)")] = False,
     ) -> None:
         """Predicted vs measured decode tok/s per row, median APE, and the pure roofline's median APE."""
         from shardwise.perf.calibrate import DEFAULT_CSV
         from shardwise.perf.validate import validate_file
 
-        doc = validate_file(csv_path or DEFAULT_CSV)
+        doc = validate_file(csv_path or DEFAULT_CSV, cv=cv)
         if json_out:
             print(json.dumps(doc, indent=2))
             return
@@ -45,6 +46,13 @@ def register(app: typer.Typer) -> None:
             con.print(
                 f"median APE at batch 1: [bold]{doc['median_ape']:.1f}%[/] over {doc['resolved']} rows "
                 f"(pure roofline: {doc['baseline_median_ape']:.1f}%)"
+            )
+        held = doc["cv"]
+        if held and held["rows"]:
+            con.print(
+                f"cross-validated (leave one source out): median APE [bold]{held['median_ape']:.1f}%[/] over "
+                f"{held['rows']} rows" + (f"; {held['no_other_source']} rows have no other source for their profile"
+                                          if held["no_other_source"] else "")
             )
         b = doc["batched"]
         if b["resolved"]:

@@ -87,6 +87,27 @@ def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfil
     return replace(best, fitted_rows=len(rows), fit_median_ape=round(final, 2))
 
 
+def leave_one_source_out(rows: list[ResolvedRow]) -> dict[str, float | None]:
+    """Decode tok/s predicted for each row (by id) under its profile fitted, as ``fit_profile`` fits,
+    on the other sources' rows only (a source: the page the row was published on), so no fit sees
+    the rows it predicts. Unfitted profiles predict as they are; None where no other source has rows
+    of the row's profile to fit on."""
+    profiles = load_profiles()
+    out: dict[str, float | None] = {}
+    for source in sorted({r.measurement.source for r in rows}):
+        fitted: dict[str, RuntimeProfile | None] = {}
+        for r in (r for r in rows if r.measurement.source == source):
+            if r.profile not in FITTED:
+                out[r.measurement.id] = decode_speed(scenario_of(r, profiles[r.profile]))[0]
+                continue
+            if r.profile not in fitted:
+                train = [t for t in rows if t.measurement.source != source and t.profile == r.profile]
+                fitted[r.profile] = fit_profile(profiles[r.profile], train) if train else None
+            profile = fitted[r.profile]
+            out[r.measurement.id] = None if profile is None else decode_speed(scenario_of(r, profile))[0]
+    return out
+
+
 def calibrate(path: str | Path = DEFAULT_CSV) -> dict[str, RuntimeProfile]:
     """Fitted profiles (the unfitted ones unchanged), by name."""
     profiles = load_profiles()

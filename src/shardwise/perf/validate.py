@@ -30,10 +30,12 @@ def ape(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured * 100.0
 
 
-def validate_file(path: str | Path) -> dict:
+def validate_file(path: str | Path, cv: bool = False) -> dict:
     """Per-row predicted vs measured decode tok/s, the median APE, and the roofline baseline's:
     over the batch-1 rows (``median_ape``, ``resolved``) and, apart, over rows measured at batch
-    > 1 (``batched``: the prediction at the row's batch, aggregate or per stream as it says)."""
+    > 1 (``batched``: the prediction at the row's batch, aggregate or per stream as it says).
+    With ``cv`` also each batch-1 row's prediction by profiles fitted without its source's rows
+    (``calibrate.leave_one_source_out``) and their median APE (``cv``)."""
     resolved, unresolved = [], []
     for m in read_measurements(path):
         r = resolve(m)
@@ -58,12 +60,24 @@ def validate_file(path: str | Path) -> dict:
         })
     single = [r for r in rows if r["batch"] == 1]
     batched = [r for r in rows if r["batch"] > 1]
+    held_out = None
+    if cv:
+        from shardwise.perf.calibrate import leave_one_source_out
+
+        predicted = leave_one_source_out([r for r in resolved if r.batch == 1])
+        for row in single:
+            row["cv_predicted_tok_per_s"] = predicted[row["id"]]
+            row["cv_ape"] = None if predicted[row["id"]] is None else ape(predicted[row["id"]], row["measured_tok_per_s"])
+        scored = [r for r in single if r["cv_ape"] is not None]
+        held_out = {"median_ape": _median(scored, "cv_ape"), "rows": len(scored), "no_other_source": len(single) - len(scored),
+                    "method": "leave one source out: each row predicted by profiles fitted on the other sources' rows"}
     return {
         "median_ape": _median(single, "ape"),
         "baseline_median_ape": _median(single, "roofline_ape"),
         "resolved": len(single),
         "batched": {"resolved": len(batched), "median_ape": _median(batched, "ape"),
                     "baseline_median_ape": _median(batched, "roofline_ape")},
+        "cv": held_out,
         "unresolved": unresolved,
         "rows": rows,
     }
