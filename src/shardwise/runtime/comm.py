@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
-from shardwise.runtime.shm_allreduce import shm_allreduce
+from shardwise.runtime.shm_allreduce import shm_reduce
 
 __all__ = [
     "ALLREDUCE_ALGORITHMS",
@@ -315,6 +315,17 @@ def builtin_allreduce(t: torch.Tensor, group: _ProcessGroup = None) -> torch.Ten
     flat = _flat(t)
     if flat.numel():
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def shm_allreduce(t: torch.Tensor, group: _ProcessGroup = None) -> torch.Tensor:
+    """All-reduce (SUM) of ``t`` in place through shared memory; returns ``t``. Every rank of the
+    group must run on this host (x86-64, CPU tensors): each writes its tensor into its slot of one
+    segment and sums all slots in rank order 0, 1, …, p−1 (``runtime.shm_allreduce``)."""
+    flat = _flat(t)
+    ranks = _group_ranks(group)
+    if flat.numel() and len(ranks) > 1:
+        shm_reduce(flat, ranks, group)
     return t
 
 

@@ -16,8 +16,9 @@ every rank raised its flag for ``s + 1``, which each does only after reading cal
 Messages larger than a slot go in slot-sized pieces.
 
 The wait spins, then yields the CPU (``os.sched_yield``); in a group with more ranks than cores
-it naps instead (20 µs), so ranks that share cores with their peers still progress; it gives up after ``timeout_s`` (a dead peer is normally caught sooner by
-the launcher's or ``peer_watch``'s heartbeats). Ordering of the data and flag stores relies on
+it naps instead (20 µs), so ranks that share cores with their peers still progress; it gives up
+after ``DEFAULT_TIMEOUT_S`` (a dead peer is normally caught sooner by the launcher's or
+``peer_watch``'s heartbeats). Ordering of the data and flag stores relies on
 x86-64's total store order, so the algorithm refuses other architectures (use ``rd``/``ring``).
 """
 
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S
 
-__all__ = ["CAPACITY_BYTES", "shm_allreduce"]
+__all__ = ["CAPACITY_BYTES", "shm_reduce"]
 
 CAPACITY_BYTES = 4 << 20
 """Bytes of one rank's slot per buffer; larger messages are reduced in pieces of this size."""
@@ -52,10 +53,12 @@ _states: dict[object, _Segment] = {}
 class _Segment:
     """The mapped segment of one process group and this rank's position in it."""
 
-    def __init__(self, group, timeout_s: float):
-        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        self.world, self.me = len(self.ranks), self.ranks.index(dist.get_rank())
-        self.timeout_s = timeout_s
+    def __init__(self, ranks: list[int], group):
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            raise ShardwiseError(f"--allreduce shm relies on x86-64 store ordering, this is {platform.machine()}: "
+                                 "use ring, rd or builtin")
+        self.ranks = ranks
+        self.world, self.me = len(ranks), ranks.index(dist.get_rank())
         hosts: list = [None] * self.world
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         if len(set(hosts)) != 1:
@@ -96,10 +99,10 @@ class _Segment:
             else:
                 os.sched_yield()
             now = time.monotonic()
-            deadline = deadline or now + self.timeout_s
+            deadline = deadline or now + DEFAULT_TIMEOUT_S
             if now > deadline:
                 late = [self.ranks[r] for r in range(self.world) if int(flags[r]) < call]
-                raise ShardwiseError(f"shm all-reduce: rank(s) {late} did not arrive within {self.timeout_s:g} s")
+                raise ShardwiseError(f"shm all-reduce: rank(s) {late} did not arrive within {DEFAULT_TIMEOUT_S:g} s")
 
     def _slots(self, parity: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's slot of buffer ``parity`` as ``nbytes`` of ``dtype`` (views cached per shape)."""
@@ -125,23 +128,13 @@ class _Segment:
                 piece += parts[r]
 
 
-def shm_allreduce(t: torch.Tensor, group=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
-    """In-place SUM of ``t`` over ``group`` (None: the default group) through a shared-memory
-    segment set up on the first call (a collective: every rank of the group calls it); returns
-    ``t``. Every rank must run on this host, on x86-64."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise ShardwiseError(f"--allreduce shm relies on x86-64 store ordering, this is {platform.machine()}: "
-                             "use ring, rd or builtin")
-    if not t.is_contiguous():
-        raise ShardwiseError("shm all-reduce needs a contiguous tensor")
-    flat = t.view(-1)
-    if flat.numel() == 0 or (group is None and dist.get_world_size() == 1):
-        return t
-    if t.device.type != "cpu":
+def shm_reduce(flat: torch.Tensor, ranks: list[int], group) -> None:
+    """Sum the contiguous 1-D CPU tensor ``flat`` in place over ``group`` (global ``ranks``, in group
+    order) through its shared-memory segment, set up on the group's first call (a collective: every
+    rank of the group calls it). ``comm.shm_allreduce`` is the registered entry point."""
+    if flat.device.type != "cpu":
         raise ShardwiseError("--allreduce shm reduces CPU tensors: use builtin (NCCL) on GPUs")
     key = group if group is not None else "default"
-    state = _states.get(key)
-    if state is None:
-        state = _states[key] = _Segment(group, timeout_s)
-    state.reduce(flat)
-    return t
+    if key not in _states:
+        _states[key] = _Segment(ranks, group)
+    _states[key].reduce(flat)
