@@ -264,15 +264,12 @@ def register(app: typer.Typer) -> None:
         if torchrun:
             import torch.distributed as dist
 
-            from shardwise.runtime.peer_watch import watch_peers
-            from shardwise.runtime.rendezvous import init_from_env
+            from shardwise.runtime.peer_watch import torchrun_group
 
-            rank, world_size = init_from_env(backend, timeout_s=timeout)
-            with watch_peers(rank, world_size):
+            with torchrun_group(backend, timeout) as (rank, world_size):
                 report = run_rank(rank, world_size, request)
                 reports: list[Any] = [None] * world_size if rank == 0 else None
                 dist.gather_object(report, reports, dst=0)
-            dist.destroy_process_group()
             if rank != 0:
                 return
         else:

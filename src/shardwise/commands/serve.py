@@ -97,19 +97,14 @@ def register(app: typer.Typer) -> None:
             spec_tokens=spec_tokens if spec_method is not None else 0, ngram_min=ngram_min, ngram_max=ngram_max,
         )
         if torchrun:
-            import torch.distributed as dist
+            from shardwise.runtime.peer_watch import torchrun_group
 
-            from shardwise.runtime.peer_watch import watch_peers
-            from shardwise.runtime.rendezvous import init_from_env
-
-            rank, world_size = init_from_env(backend, timeout_s=timeout)
-            if rank == 0:
-                _check_port(host, port)
-            else:  # torchrun signals every worker; rank 0 drains the group and tells the others to stop
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            with watch_peers(rank, world_size):
+            with torchrun_group(backend, timeout) as (rank, world_size):
+                if rank == 0:
+                    _check_port(host, port)
+                else:  # torchrun signals every worker; rank 0 drains the group and tells the others to stop
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 serve_rank(rank, world_size, request)
-            dist.destroy_process_group()
             return
         from shardwise.runtime.launch import launch_local
 

@@ -274,17 +274,14 @@ def run_probe(
             left = wait_for_master(addr, int(port), timeout_s)
         import torch.distributed as dist
 
-        from shardwise.runtime.peer_watch import watch_peers
-        from shardwise.runtime.rendezvous import init_from_env
+        from shardwise.runtime.peer_watch import torchrun_group
 
-        rank, world = init_from_env(backend, timeout_s=max(left, 1.0))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        with watch_peers(rank, world):
+        with torchrun_group(backend, max(left, 1.0)) as (rank, world):
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             with _progress(probe_steps(cfg, world, local), show_progress and rank == 0) as bar:
                 report = probe_rank(rank, world, cfg, bar)
             reports: list[Any] | None = [None] * world if rank == 0 else None
             dist.gather_object(report, reports, dst=0)
-        dist.destroy_process_group()
         return summarize(reports, cfg, backend) if rank == 0 else None
     from shardwise.runtime.launch import launch_local
 

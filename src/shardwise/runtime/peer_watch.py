@@ -7,7 +7,7 @@ Two watchers share the threshold ``frozen_s()`` and the hooks a rank registers w
   sends its launcher a heartbeat over a pipe, the launcher names the silent one.
 - Ranks started by ``torchrun`` (or any launcher that only exports RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT) have no common parent that sees them all, so ``watch_peers``
-  uses the rendezvous store instead: a thread in every rank increments its counter key every
+  (which ``torchrun_group`` runs for every torchrun-started verb) uses the rendezvous store instead: a thread in every rank increments its counter key every
   ``BEAT_S`` and reads every peer's; a peer whose counter has not moved for ``frozen_s()``
   seconds (SIGSTOP, a hung host, a starved process) — or a store that stops answering for
   that long — ends this rank with one line naming it, exit code 1 (a frozen peer on this
@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 
 from shardwise.errors import ShardwiseError
 
-__all__ = ["BEAT_S", "FROZEN_S", "FROZEN_ENV", "frozen_s", "on_peer_failure", "tell_peer_failure", "watch_peers"]
+__all__ = ["BEAT_S", "FROZEN_S", "FROZEN_ENV", "frozen_s", "on_peer_failure", "tell_peer_failure", "torchrun_group",
+           "watch_peers"]
 
 BEAT_S = 0.5
 """Seconds between two heartbeats of a rank (and between two looks at its peers')."""
@@ -155,3 +156,18 @@ def watch_peers(rank: int, world_size: int) -> Iterator[None]:
         with contextlib.suppress(Exception):  # the store may already be gone at shutdown
             store.add(f"done/{rank}", 1)
         watcher.join(timeout=2 * BEAT_S)
+
+
+@contextlib.contextmanager
+def torchrun_group(backend: str, timeout_s: float) -> Iterator[tuple[int, int]]:
+    """How a torchrun-started verb joins its group: the rendezvous (``rendezvous.init_from_env``),
+    ``watch_peers`` for as long as the block runs, and the process group destroyed when it ends
+    normally. Yields (rank, world_size)."""
+    import torch.distributed as dist
+
+    from shardwise.runtime.rendezvous import init_from_env
+
+    rank, world_size = init_from_env(backend, timeout_s=timeout_s)
+    with watch_peers(rank, world_size):
+        yield rank, world_size
+    dist.destroy_process_group()
