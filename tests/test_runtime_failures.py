@@ -100,19 +100,25 @@ def _end(proc: subprocess.Popen, ranks: dict[int, int], reader: threading.Thread
     reader.join()
 
 
-@pytest.mark.parametrize(("tp", "victim"), [(2, 1), (3, 0)], ids=["tp2-kill-rank1", "tp3-kill-rank0"])
-def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
+def _signal_one_rank(llama6: Path, tp: int, victim: int, sig: int) -> tuple[float, int, str, dict[int, int]]:
+    """``sig`` to rank ``victim`` of a long `shardwise run` at ``tp``: (seconds until the command exited,
+    its exit code, its stderr, {rank: pid}); whatever is left is killed afterwards."""
     proc, lines, reader, ranks = _long_run(llama6, tp)
     try:
-        os.kill(ranks[victim], signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(ranks[victim], sig)
+        sent = time.monotonic()
         proc.wait(timeout=LIMIT_S)
-        took = time.monotonic() - killed
+        took = time.monotonic() - sent
     finally:
         _end(proc, ranks, reader)
-    stderr = "".join(lines)
+    return took, proc.returncode, "".join(lines), ranks
+
+
+@pytest.mark.parametrize(("tp", "victim"), [(2, 1), (3, 0)], ids=["tp2-kill-rank1", "tp3-kill-rank0"])
+def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
+    took, code, stderr, ranks = _signal_one_rank(llama6, tp, victim, signal.SIGKILL)
     assert took < LIMIT_S, f"took {took:.1f} s"
-    assert proc.returncode == 2, stderr  # the lost rank is a ShardwiseError (RankFailure): exit 2
+    assert code == 2, stderr  # the lost rank is a ShardwiseError (RankFailure): exit 2
     last = stderr.strip().splitlines()[-1]
     lost = f"rank {victim} of {tp} failed: killed by SIGKILL (exit code -9)"
     assert last.startswith(f"error: {lost}"), stderr
@@ -125,17 +131,9 @@ def test_sigkill_one_rank_mid_generation(llama6, tp, victim):
 
 def test_sigstop_one_rank_is_named_within_60_s(llama6):
     """Default settings (no --timeout): the launcher's heartbeats name the frozen rank (after 10 s)."""
-    proc, lines, reader, ranks = _long_run(llama6, 2)
-    try:
-        os.kill(ranks[1], signal.SIGSTOP)
-        stopped = time.monotonic()
-        proc.wait(timeout=LIMIT_S)
-        took = time.monotonic() - stopped
-    finally:
-        _end(proc, ranks, reader)
-    stderr = "".join(lines)
+    took, code, stderr, ranks = _signal_one_rank(llama6, 2, 1, signal.SIGSTOP)
     assert took < LIMIT_S, f"took {took:.1f} s"
-    assert proc.returncode == 2, stderr
+    assert code == 2, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: rank 1 of 2 failed: stopped making progress: no heartbeat for"), stderr
     assert "then rank 0: stopped after rank 1 of 2 failed" in last, last
