@@ -263,12 +263,16 @@ def main() -> None:
     print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
     print(f"shardwise / transformers = {best / hf:.2f}x ({padded / hf:.2f}x with exact=True); "
           f"shardwise / roofline = {100 * best / ceiling:.0f}% ({100 * padded / ceiling:.0f}%)")
-    same = {"float32": "F32", "bfloat16": "BF16"}[args.dtype]
+    dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
     for fmt, rates in peer.items():
         nbytes = gguf_token_bytes(ggufs[fmt])
         roof = bw["read"] * 1e9 / nbytes
-        versus = (f"shardwise {args.dtype} / llama.cpp = {best / max(rates):.2f}x" if fmt == same else
-                  f"shardwise at {fmt}: {'no CPU int8/4-bit dense path yet' if fmt.startswith('Q') else 'run --dtype ' + fmt.lower().replace('f32', 'float32').replace('bf16', 'bfloat16')}")
+        if dtype_of.get(fmt) == args.dtype:
+            versus = f"shardwise {args.dtype} / llama.cpp = {best / max(rates):.2f}x"
+        elif fmt in dtype_of:
+            versus = f"shardwise at {fmt}: run --dtype {dtype_of[fmt]}"
+        else:
+            versus = f"shardwise at {fmt}: no CPU int8/4-bit dense path yet"
         print(f"llama.cpp {fmt:5s} {max(rates):6.2f} tok/s  ({nbytes / 1e9:.2f} GB per token, {100 * max(rates) / roof:.0f}% "
               f"of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}); {versus}")
     for name, rate in tp2.items():
