@@ -21,7 +21,10 @@ All figures come from this one run on this machine, so the ratios are what to re
    converter writes it, BF16 / Q8_0 / Q4_0 by llama.cpp's own quantizer — same threads: decode
    tok/s, its bytes per token and share of the roofline, and shardwise's ratio at the matching
    dtype (``--no-llama-cpp`` skips it).
-5. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each; all-reduce by gloo's
+5. **shardwise int8 / int4** (``quantize --format int8`` per channel, ``int4`` groups of 32; the LM head
+   and embedding stay float as ``quantize`` leaves them) at tp=1, activations in ``--dtype``: decode
+   tok/s, bytes per token and share of their own roofline, next to llama.cpp's Q8_0 / Q4_0.
+6. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each; all-reduce by gloo's
    ``builtin`` and through shared memory, ``shm``) and a traced tp=2 run
    whose per-rank compute / comm / wait shares explain the difference to tp=1.
 
@@ -121,6 +124,32 @@ def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dt
     del model
     gc.collect()
     return shipped, blocked
+
+
+def shardwise_int(folder: Path, fmt: str, prompt: list[int], tokens: int, threads: int, dtype: str) -> tuple[float, int]:
+    """(decode tok/s, weight bytes one token reads) of the checkpoint quantized to ``fmt`` (written once
+    beside the float one), run at tp=1 with ``dtype`` activations."""
+    from shardwise.plan import ParallelPlan
+    from shardwise.runtime.generate import generate
+    from shardwise.runtime.loader import load_shard, load_spec
+    from shardwise.runtime.model import ShardedCausalLM
+    from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
+
+    out = folder.with_name(f"{folder.name}-{fmt}")
+    if not (out / "model.safetensors").exists():
+        quantize_checkpoint(folder, out.with_name(out.name + ".partial"), fmt, compare=False)
+        out.with_name(out.name + ".partial").rename(out)
+    torch.set_num_threads(threads)
+    model = ShardedCausalLM(load_spec(out), ParallelPlan(), 0, getattr(torch, dtype), max_seq_len=len(prompt) + tokens)
+    load_shard(model, out)
+    embed = model.model.embed_tokens.weight
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    nbytes += embed.shape[1] * embed.element_size()  # one embedding row per token
+    generate(model, prompt, 4)  # warm-up
+    rate = generate(model, prompt, tokens).decode_tok_per_s
+    del model
+    gc.collect()
+    return rate, nbytes
 
 
 def transformers_rate(folder: Path, prompt: list[int], tokens: int, threads: int, dtype: str) -> float:
@@ -242,11 +271,16 @@ def main() -> None:
     ggufs = {} if args.no_llama_cpp else llama_cpp_files(folder)
     ours, exact, theirs = [], [], []
     peer: dict[str, list[float]] = {fmt: [] for fmt in ggufs}
+    ints: dict[str, list[float]] = {"int8": [], "int4": []}
+    int_bytes: dict[str, int] = {}
     for _ in range(args.rounds):
         shipped, blocked = shardwise_tp1(folder, prompt, args.tokens, args.threads, args.dtype)
         ours.append(shipped)
         exact.append(blocked)
         theirs.append(transformers_rate(folder, prompt, args.tokens, args.threads, args.dtype))
+        for fmt in ints:
+            rate, int_bytes[fmt] = shardwise_int(folder, fmt, prompt, args.tokens, args.threads, args.dtype)
+            ints[fmt].append(rate)
         for fmt, path in ggufs.items():
             peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads))
     half = max(1, args.threads // 2)
@@ -263,7 +297,13 @@ def main() -> None:
     print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
     print(f"shardwise / transformers = {best / hf:.2f}x ({padded / hf:.2f}x with exact=True); "
           f"shardwise / roofline = {100 * best / ceiling:.0f}% ({100 * padded / ceiling:.0f}%)")
+    for fmt, rates in ints.items():
+        roof = bw["read"] * 1e9 / int_bytes[fmt]
+        print(f"shardwise {fmt:5s} {max(rates):6.2f} tok/s  ({int_bytes[fmt] / 1e9:.2f} GB per token, "
+              f"{100 * max(rates) / roof:.0f}% of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}), "
+              f"{args.dtype} activations")
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
+    int_of = {"Q8_0": "int8", "Q4_0": "int4"}
     for fmt, rates in peer.items():
         nbytes = gguf_token_bytes(ggufs[fmt])
         roof = bw["read"] * 1e9 / nbytes
@@ -272,7 +312,7 @@ def main() -> None:
         elif fmt in dtype_of:
             versus = f"shardwise at {fmt}: run --dtype {dtype_of[fmt]}"
         else:
-            versus = f"shardwise at {fmt}: no CPU int8/4-bit dense path yet"
+            versus = f"shardwise {int_of[fmt]} / llama.cpp = {max(ints[int_of[fmt]]) / max(rates):.2f}x"
         print(f"llama.cpp {fmt:5s} {max(rates):6.2f} tok/s  ({nbytes / 1e9:.2f} GB per token, {100 * max(rates) / roof:.0f}% "
               f"of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}); {versus}")
     for name, rate in tp2.items():
@@ -288,6 +328,7 @@ def main() -> None:
         print(f"  rank {r['rank']}: step {step * 1e3:.1f} ms = {parts}")
     print(json.dumps({"roofline_tok_per_s": ceiling, "bandwidth_gbps": bw, "shardwise_tp1": best,
                       "shardwise_tp1_exact": padded, "transformers": hf, "shardwise_tp2": tp2,
+                      "shardwise_int": {fmt: max(rates) for fmt, rates in ints.items()}, "int_token_bytes": int_bytes,
                       "llama_cpp": {fmt: max(rates) for fmt, rates in peer.items()}, "trace_ranks": summary["ranks"]}))
 
 

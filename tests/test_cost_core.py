@@ -131,3 +131,21 @@ def test_every_split_is_whole_units():
         validate_plan(m, ParallelPlan(tp=3))
     # Kimi K3's 3584-wide latent projections rule out every multiple of 3 its 96 heads would allow
     assert valid_tp_degrees(load_model("kimi-k3")) == [1, 2, 4, 8, 16, 32]
+
+
+def test_kda_dt_bias_is_float32_in_any_format():
+    # Kimi Linear 48B: 20 KDA layers, each with dt_bias [32 heads x 128] held in float32 (as
+    # transformers' _keep_in_fp32_modules_strict) whatever the linear-attention group's format;
+    # A_log [32] follows its group. Under TP dt_bias splits by heads like the rest.
+    m = load_model("kimi-linear-48b-a3b")
+    dt_bias = 20 * 32 * 128
+    for bits in (16.0, 8.0):
+        fmt = {g: bits for g in m.params_by_group}
+        assert m.weight_bytes(fmt) == m.total_params * bits / 8 + dt_bias * (4 - bits / 8)
+        for tp in (1, 4):
+            plan = ParallelPlan(tp=tp, ep=tp)
+            held = sum(rank_param_counts(m, plan, 0).values())
+            assert rank_weight_bytes(m, plan, fmt, 0) == held * bits / 8 + dt_bias / tp * (4 - bits / 8)
+    # Qwen3.5's Gated DeltaNet keeps dt_bias and A_log in the run dtype: nothing float32
+    q = load_model("qwen3.5-397b-a17b")
+    assert q.weight_bytes({g: 16.0 for g in q.params_by_group}) == q.total_params * 2

@@ -243,7 +243,7 @@ def test_quantize_and_run_cli(ckpts, tmp_path):
     ref = dequantize_checkpoint(out, tmp_path / "ref")
     assert json.loads(proc.stdout)["tokens"] == generate(_model(ref), PROMPT, 8, SamplingParams()).tokens
     proc = run_cli("quantize", str(ckpts["hf_float"]), "--format", "nvfp4", "--out", str(tmp_path / "n"))
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: --format nvfp4 cannot be written yet: quantize writes mxfp4"
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --format nvfp4 cannot be written yet: quantize writes mxfp4, int8, int4"
 
 
 def _corrupt(src: Path, folder: Path, tensors: dict | None = None, config: dict | None = None) -> Path:

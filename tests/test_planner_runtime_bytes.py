@@ -1,7 +1,7 @@
 """The planner's bytes per rank are the runtime's bytes per rank: weights and cache.
 
 For the tiny checkpoint of every family the runtime runs (llama, qwen3_moe, deepseek_v3,
-gpt_oss), at tp 1, 2 and 4 with ep = tp, ep = 1 and an ep < tp case, in float32 and
+gpt_oss, qwen3_5_moe, kimi_linear), at tp 1, 2 and 4 with ep = tp, ep = 1 and an ep < tp case, in float32 and
 bfloat16, every tensor rank's shard is built in process (``ShardedCausalLM`` needs no
 process group to allocate a rank's parameters) and its allocated bytes are compared with
 ``perf.memory``:
@@ -10,8 +10,10 @@ process group to allocate a rank's parameters) and its allocated bytes are compa
   weights once; the model holds no weight buffers) against ``rank_weight_bytes`` with
   ``formats_bits`` giving each group the bits the runtime stores it at: the run dtype,
   except the groups the runtime keeps in float32 (``RUNTIME_FP32_GROUPS``: DeepSeek-V3's
-  router and correction bias, gpt-oss's RMSNorm weights, as transformers does), and MXFP4
-  for packed routed experts. Compared per tensor group, so a failure names the group.
+  and Kimi Linear's router and correction bias, gpt-oss's RMSNorm weights, as transformers
+  does), and MXFP4 for packed routed experts; single tensors the runtime keeps in float32
+  whatever their group (``TensorSpec.keep_float32``: Kimi Linear's KDA ``dt_bias``) the planner
+  prices at 4 bytes itself. Compared per tensor group, so a failure names the group.
 - cache: ``model.cache_bytes()`` (KV / latent buffers of one sequence of ``max_seq_len``
   tokens; sliding layers hold their ring) against ``rank_cache_bytes``.
 
@@ -36,10 +38,11 @@ from shardwise.spec.model import NORM, ROUTED_EXPERTS, ROUTER, TENSOR_GROUPS
 from shardwise.spec.tensors import unpacked_key
 
 FAMILIES = {"llama": "llama-3.1-8b", "qwen3_moe": "qwen3-30b-a3b", "deepseek_v3": "deepseek-v3", "gpt_oss": "gpt-oss-20b",
-            "qwen3_5_moe": "qwen3.5-397b-a17b"}
+            "qwen3_5_moe": "qwen3.5-397b-a17b", "kimi_linear": "kimi-linear-48b-a3b"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BITS = {torch.float32: 32, torch.bfloat16: 16}
-RUNTIME_FP32_GROUPS = {"deepseek_v3": {ROUTER}, "gpt_oss": {NORM}}
+RUNTIME_FP32_GROUPS = {"deepseek_v3": {ROUTER}, "gpt_oss": {NORM}, "kimi_linear": {ROUTER}}
+RUNTIME_FP32_TENSORS = {"kimi_linear": {"dt_bias"}}  # name endings held in float32 outside those groups
 MXFP4_BITS = 4.25  # 4-bit elements + one 8-bit scale per 32
 
 # (tp, ep) per family: dense models only ep 1; MoE models ep = tp, ep = 1 and ep < tp
@@ -101,15 +104,33 @@ def _cases(specs_keys):
 
 
 WEIGHT_CASES = list(_cases(["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama_v509", "gpt_oss_mxfp4",
-                            "qwen3_moe_mxfp4", "qwen3_5_moe"]))
+                            "qwen3_moe_mxfp4", "qwen3_5_moe", "kimi_linear"]))
 
 
 def test_fp32_groups_are_the_runtime_rule(specs):
-    """RUNTIME_FP32_GROUPS is exactly the set of groups ``model.param_dtype`` keeps in float32."""
+    """RUNTIME_FP32_GROUPS is exactly the set of groups ``model.param_dtype`` keeps in float32 (single
+    ``keep_float32`` tensors apart: the next test)."""
     for family in FAMILIES:
         spec = specs[family]
-        kept = {t.group for t in spec.tensors() if param_dtype(spec, t, torch.bfloat16) == torch.float32}
+        kept = {t.group for t in spec.tensors()
+                if not t.keep_float32 and param_dtype(spec, t, torch.bfloat16) == torch.float32}
         assert kept == RUNTIME_FP32_GROUPS.get(family, set()), family
+
+
+def test_fp32_tensors_are_the_runtime_rule(specs):
+    """In a bfloat16 run the runtime holds in float32 exactly the tensors of ``float32_groups``
+    plus those the spec marks ``keep_float32`` (Kimi Linear's KDA ``dt_bias``; Qwen3.5's Gated
+    DeltaNet ``dt_bias`` / ``A_log`` stay in the run dtype, as in transformers), and the marks are
+    the ones written out here."""
+    for family in FAMILIES:
+        spec = specs[family]
+        model = ShardedCausalLM(spec, ParallelPlan(), 0, torch.bfloat16, max_seq_len=8)
+        held = {p.spec.name for p in model.parameters() if p.dtype == torch.float32}
+        marked = {t.name for t in spec.tensors() if t.keep_float32 or t.group in spec.float32_groups}
+        assert held == marked, (family, held ^ marked)
+        endings = RUNTIME_FP32_TENSORS.get(family, set())
+        assert {t.name for t in spec.tensors() if t.keep_float32} == {
+            t.name for t in spec.tensors() if any(t.name.endswith("." + e) for e in endings)}, family
 
 
 @pytest.mark.parametrize("family, tp, ep, dname", WEIGHT_CASES)

@@ -15,6 +15,9 @@ EXPECTED_BITS = {
     "fp8": 8 + 32 / 16384,
     "mxfp4": 4.25,
     "nvfp4": 4.5,
+    "int8": 8.0,  # + 16/in of per-row scales, not counted (the format's description says so)
+    "int4-g32": 4.5,
+    "int4-g64": 4.25,
     "int4-g128": 4.125,
     "q4_0": 4.5,
     "q4_k_m": 4.85,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from shardwise.errors import ShardwiseError
 from shardwise.quant.formats import get_format
-from shardwise.spec.model import EMBEDDING, ROUTED_EXPERTS, ModelSpec, TensorSpec
+from shardwise.spec.model import EMBEDDING, ModelSpec, TensorSpec
 
 
 
@@ -151,22 +151,21 @@ def validate_plan(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, st
 
 
 def _check_expert_blocks(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, str]) -> None:
-    """Routed experts in a 1-D block format stay packed: a rank's slice of their inputs must hold
-    whole blocks."""
-    if model.moe is None or plan.etp == 1:
-        return
-    fmt = get_format(formats.get(ROUTED_EXPERTS, model.dtype))
-    if not fmt.packed:
-        return
+    """Weights in a 1-D block format that stay packed (routed experts; every group held as
+    weight-only int): a rank's slice of their inputs must hold whole blocks (groups)."""
     for tensor in model.distinct_tensors:
-        if not tensor.is_routed or len(tensor.shape) - (tensor.expert_dim is not None) < 2:
+        fmt = get_format(formats.get(tensor.group, model.dtype))
+        routed = tensor.is_routed and model.moe is not None and plan.etp > 1
+        if not fmt.packed or not (routed or (fmt.name.startswith("int") and not tensor.is_routed and plan.tp > 1)):
+            continue
+        if len(tensor.shape) - (tensor.expert_dim is not None) < 2:
             continue
         full, local = tensor.shape[-1], shard_shape(tensor, plan, 0)[-1]
         if full % fmt.block_size == 0 and local % fmt.block_size:
             raise ShardwiseError(
                 f"{fmt.name} tensor '{tensor.name}' would be split into {local}-element slices of its {full} "
                 f"inputs at --tp {plan.tp} --ep {plan.ep}, expected a multiple of {fmt.block_size} (whole blocks): "
-                f"use --ep {plan.tp}"
+                + (f"use --ep {plan.tp}" if routed else "use a smaller --tp, or quantize with a smaller --group-size")
             )
 
 

@@ -14,6 +14,19 @@ import typer
 from shardwise.errors import ShardwiseError
 from shardwise.perf.scenario import SEED, build_scenario
 
+
+def resolve_box(box: str | None, box_spec: str | None, cluster: str | None):
+    """The --box name, or the Box a --box-spec file describes (one-line errors when both or a cluster is given)."""
+    if box_spec is None:
+        return box or SEED["box"]
+    for flag, value in (("--box", box), ("--cluster", cluster)):
+        if value is not None:
+            raise ShardwiseError(f"--box-spec and {flag} both name the box: pick one")
+    from shardwise.spec.box_spec import load_box_spec
+
+    return load_box_spec(box_spec)
+
+
 def render(doc: dict) -> None:
     """Print a plan document as rich tables."""
     from rich.console import Console
@@ -94,7 +107,9 @@ def register(app: typer.Typer) -> None:
     @app.command("plan")
     def plan_command(
         model: Annotated[str, typer.Option(help="catalog key or path to a config.json")] = SEED["model"],
-        box: Annotated[str, typer.Option(help="box from the catalog")] = SEED["box"],
+        box: Annotated[Optional[str], typer.Option(help=f"box from the catalog (default {SEED['box']})")] = None,
+        box_spec: Annotated[Optional[str], typer.Option(
+            "--box-spec", help="TOML file describing a box outside the catalog (the fields of a hardware.toml entry)")] = None,
         boxes: Annotated[Optional[int], typer.Option(help="number of boxes (default 16)")] = None,
         link: Annotated[str, typer.Option(help="link from the catalog")] = SEED["link"],
         tp: Annotated[Optional[int], typer.Option(help="tensor-parallel degree")] = None,
@@ -128,9 +143,10 @@ def register(app: typer.Typer) -> None:
         from shardwise.perf.launch_commands import check_target, launch_plan
 
         check_target(emit)
+        box_arg = resolve_box(box, box_spec, cluster)
 
         sc = build_scenario(
-            model, box, boxes, link, tp, ep, pp, context, prompt_tokens, spec_tokens, acceptance, workload,
+            model, box_arg, boxes, link, tp, ep, pp, context, prompt_tokens, spec_tokens, acceptance, workload,
             runtime, quant, experts, dense, price, kv_dtype, cluster, draft_model, batch,
         )
         doc = estimate(sc, curve=batch_curve)

@@ -1,5 +1,5 @@
-"""`shardwise quantize CHECKPOINT --format mxfp4 --out DIR`: write an MXFP4 copy of a float
-checkpoint and report bytes, bits per weight and the error it introduced."""
+"""`shardwise quantize CHECKPOINT --format mxfp4|int8|int4 --out DIR`: write an MXFP4 or weight-only
+int8 / int4 copy of a float checkpoint and report bytes, bits per weight and the error it introduced."""
 
 from __future__ import annotations
 
@@ -40,13 +40,15 @@ def register(app: typer.Typer) -> None:
     def quantize_command(
         checkpoint: Annotated[Path, typer.Argument(help="float32/bfloat16 HF safetensors checkpoint folder")],
         out: Annotated[Path, typer.Option("--out", help="output folder for the quantized checkpoint")],
-        fmt: Annotated[str, typer.Option("--format", help="mxfp4")] = "mxfp4",
+        fmt: Annotated[str, typer.Option("--format", help="mxfp4 (32-input blocks, E8M0 scales), int8 (per output channel) or int4 (per group)")] = "mxfp4",
+        group_size: Annotated[int | None, typer.Option("--group-size", help="int4/int8: inputs per bfloat16 scale (a multiple of 32; int4 default 32, int8 default per channel)")] = None,
         experts_only: Annotated[bool, typer.Option("--experts-only", help="quantize only the routed experts (gpt_oss: always)")] = False,
         scale_rounding: Annotated[str, typer.Option("--scale-rounding", help="ocp (floor(log2 amax) - 2) or up (no saturation)")] = "ocp",
         compare: Annotated[bool, typer.Option("--compare/--no-compare", help="run both checkpoints on a fixed prompt and report the logits difference")] = True,
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
     ) -> None:
-        """Write an MXFP4 checkpoint (gpt-oss layout for gpt_oss, compressed-tensors otherwise)."""
+        """Write an MXFP4 checkpoint (gpt-oss layout for gpt_oss, compressed-tensors otherwise) or a weight-only
+        int8/int4 one (compressed-tensors pack-quantized)."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         from shardwise.runtime.loader import load_spec
@@ -61,7 +63,7 @@ def register(app: typer.Typer) -> None:
             task = bar.add_task("", total=total)
             result = quantize_checkpoint(
                 checkpoint, out, fmt, experts_only=experts_only, scale_rounding=scale_rounding, compare=compare,
-                progress=lambda name: bar.update(task, advance=1, description=name),
+                progress=lambda name: bar.update(task, advance=1, description=name), group_size=group_size,
             )
         if json_out:
             print(json.dumps(result.to_dict(), indent=2))

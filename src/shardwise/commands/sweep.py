@@ -152,6 +152,8 @@ def register(app: typer.Typer) -> None:
     def sweep_command(
         model: Annotated[Optional[str], typer.Option(help="catalog model(s), comma-separated (default: all)")] = None,
         box: Annotated[Optional[str], typer.Option(help="catalog box(es), comma-separated (default: all)")] = None,
+        box_spec: Annotated[Optional[str], typer.Option(
+            "--box-spec", help="TOML file describing a box outside the catalog; swept alone, or with the --box names")] = None,
         boxes: Annotated[Optional[str], typer.Option(help="box counts: 16, 4,8,16 or 8-16 (default 1..--max-boxes)")] = None,
         link: Annotated[Optional[str], typer.Option(help="catalog link(s), comma-separated (default: all)")] = None,
         quant: Annotated[Optional[str], typer.Option(help="formats for every matmul weight, comma-separated; 'native' = the checkpoint's (default: native,fp8,mxfp4, never above the checkpoint)")] = None,
@@ -185,6 +187,16 @@ def register(app: typer.Typer) -> None:
         req = build_request(model, box, boxes, link, quant, experts, budget, max_watts, min_tok_per_s, context,
                             max_boxes, runtime, spec_tokens, acceptance, workload, prefill, prompt_tokens,
                             list_prices, kv_dtype, draft_model, users)
+        if box_spec is not None:
+            from dataclasses import replace
+
+            from shardwise.spec.box_spec import load_box_spec
+
+            spec_box = load_box_spec(box_spec)
+            named = req.boxes if box is not None else ()
+            if any(b.key == spec_box.key for b in named):
+                raise ShardwiseError(f"--box-spec {box_spec} is keyed '{spec_box.key}', as a --box already is: rename one")
+            req = replace(req, boxes=(*named, spec_box))
         targets = seed_target(req)
         for value in explain or ():
             b, n, lk = parse_explain(value)

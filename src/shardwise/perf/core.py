@@ -35,7 +35,7 @@ from shardwise.perf.imbalance import distinct_experts, expected_max_load_tokens
 from shardwise.plan import ParallelPlan, held_numel, picked_expert_numel, stage_globals
 from shardwise.spec.mixers import cache_positions, conv_channels, state_slots
 from shardwise.spec.model import EMBEDDING, LM_HEAD, TENSOR_GROUPS, LayerSpec, ModelSpec, TensorSpec
-from shardwise.spec.tensors import unpacked_key
+from shardwise.spec.tensors import FLOAT32_BITS, unpacked_key
 
 ACTIVATION_BYTES = 2  # bf16 activations on the wire
 SAMPLE_BYTES = 8  # one (value, index) pair per rank and position for greedy sampling
@@ -44,19 +44,23 @@ WORKSPACE_HIDDEN_BUFFERS = 8  # ... as this many hidden-wide buffers plus the lo
 WORKSPACE_ELEMENT_BYTES = 4.0  # ... in float32
 
 _GROUP = {g: i for i, g in enumerate(TENSOR_GROUPS)}
-_COLUMNS = 2 * len(TENSOR_GROUPS)  # per group: matmul weights, then biases and 1-D parameters
+_BLOCKS = 3  # per group: matmul weights, biases and 1-D parameters, ``keep_float32`` tensors
+_COLUMNS = _BLOCKS * len(TENSOR_GROUPS)
 
 
 def _column(t: TensorSpec) -> int:
-    """A tensor's column in the ``*_numel_g`` arrays: its group's, in the second half when it is
-    not a matmul weight (those stay unpacked when the group is packed: ``tensors.tensor_bits``)."""
-    return _GROUP[t.group] + (0 if t.is_matmul else len(TENSOR_GROUPS))
+    """A tensor's column in the ``*_numel_g`` arrays: its group's in the first block, in the
+    second when it is not a matmul weight (those stay unpacked when the group is packed), in the
+    third when it is ``keep_float32`` (float32 in any format): ``tensors.tensor_bits``."""
+    block = 2 if t.keep_float32 else 0 if t.is_matmul else 1
+    return _GROUP[t.group] + block * len(TENSOR_GROUPS)
 
 
 def byte_vector(formats_bits: dict[str, float]) -> np.ndarray:
-    """Bytes per element of each ``*_numel_g`` column at ``formats_bits``."""
+    """Bytes per element of each ``*_numel_g`` column at ``formats_bits`` (bits per weight per group)."""
     return np.array([formats_bits[g] / 8 for g in TENSOR_GROUPS]
-                    + [formats_bits.get(unpacked_key(g), formats_bits[g]) / 8 for g in TENSOR_GROUPS])
+                    + [formats_bits.get(unpacked_key(g), formats_bits[g]) / 8 for g in TENSOR_GROUPS]
+                    + [FLOAT32_BITS / 8] * len(TENSOR_GROUPS))
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,9 @@ class LayoutCounts:
     """Quantization-independent figures per layout (first axis) and layer (second axis).
 
     ``*_numel_g`` arrays have a trailing column axis: elements on one tensor rank per tensor group
-    (``TENSOR_GROUPS`` order), matmul weights first, then the group's biases and 1-D parameters
-    (``byte_vector`` prices them). Cache figures are bytes at the given KV dtype.
+    (``TENSOR_GROUPS`` order), matmul weights first, then the group's biases and 1-D parameters,
+    then its ``keep_float32`` tensors (``byte_vector`` prices them). Cache figures are bytes at
+    the given KV dtype.
     """
 
     plans: tuple[ParallelPlan, ...]
@@ -250,13 +255,13 @@ def build_layout_table(
 
 def stage_group_bytes(table: LayoutTable, formats_bits: dict[str, float], layout: int = 0,
                       stage: int = 0) -> dict[str, float]:
-    """Weight bytes per tensor group one rank of ``stage`` of ``layout`` holds."""
+    """Weight bytes per tensor group one rank of ``stage`` of ``layout`` holds (all of a group's
+    column blocks together)."""
     c = table.counts
     layers = slice(int(c.stage_start[layout, stage]), int(c.stage_stop[layout, stage]))
-    numel = c.held_numel_g[layout, layers].sum(axis=0) + c.stage_globals_numel_g[layout, stage]
-    priced = numel * byte_vector(formats_bits)
-    n = len(TENSOR_GROUPS)
-    return {g: float(priced[i] + priced[n + i]) for i, g in enumerate(TENSOR_GROUPS) if numel[i] or numel[n + i]}
+    numel = (c.held_numel_g[layout, layers].sum(axis=0) + c.stage_globals_numel_g[layout, stage]).reshape(_BLOCKS, -1)
+    priced = numel * byte_vector(formats_bits).reshape(_BLOCKS, -1)
+    return {g: float(priced[:, i].sum()) for i, g in enumerate(TENSOR_GROUPS) if numel[:, i].any()}
 
 
 def stage_bytes(table: LayoutTable, context_tokens: int, step_tokens: int = 1,

@@ -106,7 +106,7 @@ def formats_bits(formats: dict[str, str]) -> dict[str, float]:
     model's unquantized dtype, the embedding's format (no scheme quantizes the embedding)."""
     bits = {g: get_format(f).bits_per_weight for g, f in formats.items()}
     for g, f in formats.items():
-        if get_format(f).packed:
+        if get_format(f).packed or f == "int8":  # int8 per channel: weights only, as the block formats
             bits[unpacked_key(g)] = bits[EMBEDDING]
     return bits
 

@@ -65,12 +65,13 @@ def decode_inputs(kv_dtype: str, spec_tokens: int, acceptance: float | None, wor
 
 
 def build_scenario(
-    model: str, box: str, boxes: int | None, link: str, tp: int | None, ep: int | None, pp: int | None,
+    model: str, box, boxes: int | None, link: str, tp: int | None, ep: int | None, pp: int | None,
     context: int, prompt_tokens: int, spec_tokens: int, acceptance: float | None, workload: str | None,
     runtime: str, quant: str | None, experts: str | None, dense: str | None, price: float | None,
     kv_dtype: str, cluster: str | None = None, draft_model: str | None = None, batch: int = 1,
 ):
-    """Resolve CLI inputs into a validated Scenario (one-line errors on bad input)."""
+    """Resolve CLI inputs into a validated Scenario (one-line errors on bad input). ``box`` is a
+    catalog key or a ``Box`` (from ``--box-spec``)."""
     if not 1 <= batch <= MAX_BATCH:
         raise ShardwiseError(f"--batch must be a whole number of sequences in 1..{MAX_BATCH}, got {batch}")
     if prompt_tokens < 1:
@@ -94,7 +95,7 @@ def build_scenario(
         if boxes is not None and boxes != n:
             raise ShardwiseError(f"--boxes {boxes} disagrees with cluster file '{cluster}' ({n} boxes): drop --boxes")
     else:
-        box_obj, link_obj = get_box(box), get_link(link)
+        box_obj, link_obj = (get_box(box) if isinstance(box, str) else box), get_link(link)  # a Box: --box-spec
         n = boxes if boxes is not None else SEED["boxes"]
     if not 1 <= n <= MAX_SWEEP_BOXES:
         raise ShardwiseError(f"--boxes must be a count in 1..{MAX_SWEEP_BOXES}, got {n}")

@@ -84,6 +84,32 @@ _FORMATS = (
         "TensorRT Model Optimizer NVFP4QTensor",
     ),
     QuantFormat(
+        "int8",
+        8.0,
+        None,
+        0,
+        "INT8 weights, symmetric, one bfloat16 scale per output row (weight-only W8A16): 8 bits plus 16/in "
+        "per weight for the row scales (0.004 at 4096 inputs), which the planner leaves out",
+        "compressed-tensors pack-quantized, strategy channel (llm-compressor W8A16 scheme; "
+        "https://github.com/vllm-project/compressed-tensors); shardwise.quant.int_codec",
+    ),
+    QuantFormat(
+        "int4-g32",
+        4 + 16 / 32,
+        32,
+        16,
+        "INT4 weights, symmetric, one bfloat16 scale per 32 weights (4.5 bits, as GGUF Q4_0)",
+        "compressed-tensors pack-quantized, strategy group 32; shardwise.quant.int_codec",
+    ),
+    QuantFormat(
+        "int4-g64",
+        4 + 16 / 64,
+        64,
+        16,
+        "INT4 weights, symmetric, one bfloat16 scale per 64 weights (4.25 bits)",
+        "compressed-tensors pack-quantized, strategy group 64; shardwise.quant.int_codec",
+    ),
+    QuantFormat(
         "int4-g128",
         4 + 16 / 128,
         128,

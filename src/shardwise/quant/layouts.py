@@ -42,21 +42,26 @@ BYTES_PER_BLOCK = BLOCK_SIZE // 2
 LAYOUT_NONE = "none"
 LAYOUT_GPT_OSS = "gpt-oss-mxfp4"
 LAYOUT_COMPRESSED_TENSORS = "compressed-tensors-mxfp4"
-LAYOUTS = (LAYOUT_NONE, LAYOUT_GPT_OSS, LAYOUT_COMPRESSED_TENSORS)
+LAYOUT_CT_INT = "compressed-tensors-int"
+"""compressed-tensors ``pack-quantized``: weight-only int8 per channel or int4 per group
+(``shardwise.quant.int_codec``)."""
+LAYOUTS = (LAYOUT_NONE, LAYOUT_GPT_OSS, LAYOUT_COMPRESSED_TENSORS, LAYOUT_CT_INT)
 
 GPT_OSS_BLOCKS_SUFFIX = "_blocks"
 GPT_OSS_SCALES_SUFFIX = "_scales"
 CT_PACKED_NAME = "weight_packed"
 CT_SCALE_NAME = "weight_scale"
 CT_MXFP4_FORMAT = "mxfp4-pack-quantized"
+CT_INT_FORMAT = "pack-quantized"
 
 
 def detect_layout(quantization_config: Mapping[str, Any] | None) -> str:
-    """Which MXFP4 layout a config.json `quantization_config` describes.
+    """Which packed layout a config.json `quantization_config` describes.
 
-    Returns "none" (no config), "gpt-oss-mxfp4" (quant_method "mxfp4") or
+    Returns "none" (no config), "gpt-oss-mxfp4" (quant_method "mxfp4"),
     "compressed-tensors-mxfp4" (quant_method "compressed-tensors" whose format, and
-    every config group's format, is "mxfp4-pack-quantized" with group_size 32).
+    every config group's format, is "mxfp4-pack-quantized" with group_size 32) or
+    "compressed-tensors-int" (every format "pack-quantized": see ``int_scheme``).
     Anything else raises ShardwiseError naming quant_method or format.
     """
     if not quantization_config:
@@ -72,6 +77,9 @@ def detect_layout(quantization_config: Mapping[str, Any] | None) -> str:
     groups = quantization_config.get("config_groups") or {}
     formats = {quantization_config.get("format")} | {g.get("format") for g in groups.values()}
     formats.discard(None)
+    if formats == {CT_INT_FORMAT}:
+        int_scheme(quantization_config)
+        return LAYOUT_CT_INT
     if formats != {CT_MXFP4_FORMAT}:
         raise ShardwiseError(
             f"compressed-tensors quantization_config.format {sorted(formats)} is unsupported, expected "
@@ -85,6 +93,31 @@ def detect_layout(quantization_config: Mapping[str, Any] | None) -> str:
                 f"for {CT_MXFP4_FORMAT}: the checkpoint is not MXFP4"
             )
     return LAYOUT_COMPRESSED_TENSORS
+
+
+def int_scheme(quantization_config: Mapping[str, Any]) -> tuple[int, int | None]:
+    """(bits, group size or None for per-channel) of a ``pack-quantized`` config: one scheme in
+    every config group, integer, symmetric, 8 bits per channel or 4/8 bits per group; anything
+    else is a one-line ShardwiseError naming the field."""
+    schemes = set()
+    for name, group in (quantization_config.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        field = f"quantization_config.config_groups.{name}.weights"
+        if w.get("type", "int") != "int" or not w.get("symmetric", True) or w.get("num_bits") not in (4, 8):
+            raise ShardwiseError(
+                f"{field} is {w.get('num_bits')}-bit {w.get('type')}, symmetric={w.get('symmetric')}: the runtime reads "
+                "symmetric int8 or int4 pack-quantized weights, use such a checkpoint or a BF16 one"
+            )
+        strategy = w.get("strategy")
+        if strategy not in ("channel", "group") or (strategy == "group" and not isinstance(w.get("group_size"), int)):
+            raise ShardwiseError(f"{field}.strategy is {strategy!r}: expected 'channel' or 'group' with a group_size")
+        schemes.add((w["num_bits"], w["group_size"] if strategy == "group" else None))
+    if len(schemes) != 1:
+        raise ShardwiseError(
+            f"quantization_config.config_groups hold {len(schemes)} weight schemes {sorted(schemes, key=str)}: "
+            "the runtime reads exactly one pack-quantized scheme per checkpoint"
+        )
+    return schemes.pop()
 
 
 def gpt_oss_tensor_names(prefix: str) -> tuple[str, str]:

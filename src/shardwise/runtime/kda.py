@@ -126,7 +126,8 @@ class KimiDeltaAttention(nn.Module):
             setattr(self, name, nn.Module())
             getattr(self, name).weight = shard_param(t[f"{name}.weight"], shard, dtype)
         self.A_log = shard_param(t["A_log"], shard, dtype)
-        self.dt_bias = shard_param(t["dt_bias"], shard, torch.float32)  # float32 as in transformers
+        keep = t["dt_bias"].keep_float32  # float32 as in transformers; the planner reads the same marker
+        self.dt_bias = shard_param(t["dt_bias"], shard, torch.float32 if keep else dtype)
         self.o_norm = nn.Module()
         self.o_norm.weight = shard_param(t["o_norm.weight"], shard, dtype)
         self.head_dim, self.eps = head_dim, eps

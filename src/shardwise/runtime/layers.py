@@ -25,6 +25,7 @@ from torch import nn
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, shard_shape, shard_slice
 from shardwise.runtime.comm import get_allreduce
+from shardwise.runtime.int_matmul import IntWeight
 from shardwise.spec.model import TensorSpec
 
 # ---------------------------------------------------------------------------- all-reduce hook
@@ -66,9 +67,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Decode at batch 1 is one row per layer. On CPU, torch's bfloat16 ``F.linear`` with one row
     streams its weight at about half the speed of ``torch.mv`` on the same weight (measured here:
     17 vs 33 GB/s, 2 threads, 5632x4 x 2048; float32: both ~30 GB/s), and the two give the same
-    bits (``tests/test_runtime_linear.py``). Under ``exact.row_blocked()`` (a torch-function mode)
+    bits (``tests/test_runtime_linear.py``). An ``IntWeight`` (a packed int8/int4 weight the loader
+    put in place of a float one) runs its own kernel. Under ``exact.row_blocked()`` (a torch-function mode)
     every product stays ``F.linear`` so the mode pads it to whole row blocks.
     """
+    if isinstance(weight, IntWeight):  # weight-only int8/int4, packed in memory (runtime.int_matmul)
+        y = weight(x)
+        return y if bias is None else y + bias
     if (bias is None and x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.device.type == "cpu"
             and not torch._C._is_torch_function_mode_enabled()):
         return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])

@@ -33,138 +33,27 @@ rightly left unread, ``_NOT_WEIGHTS``). Each float slice is checked for NaN/Inf 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, local_experts, shard_slice
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE
+from shardwise.runtime.int_matmul import IntWeight, int_decode, kernel
 from shardwise.runtime.mxfp4_matmul import decode
 from shardwise.runtime.packed_weights import BLOCKS, SCALES, Quantization, quantization
-from shardwise.runtime.safetensors_header import FIX, TensorHeader, read_header
+from shardwise.runtime.checkpoint_files import FLOAT_NAMES, Checkpoint
+from shardwise.runtime.safetensors_header import FIX
 from shardwise.runtime.stored_names import stored_name
 from shardwise.spec.model import ModelSpec, TensorSpec
 from shardwise.spec.parse import load_model
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-
 def _dims(shape) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
-
-
-_SAFETENSORS_DTYPES = {
-    "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32", "I64": "int64",
-    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-"""The stored dtypes a float (not packed) weight may have; the finiteness check covers them."""
-_FLOAT_NAMES = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
-
-
-class Checkpoint:
-    """The tensors of a safetensors checkpoint folder: names, shapes and sliced reads.
-
-    Every file's header is read and checked (``safetensors_header.read_header``) when the
-    checkpoint is opened, so shapes and dtypes come from the checked headers and a corrupt
-    file is refused before any tensor is read; every float slice read is checked for NaN/Inf.
-    """
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        index = self.folder / INDEX_FILE
-        single = self.folder / SINGLE_FILE
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_bytes())["weight_map"]
-                self.files = {name: self.folder / file for name, file in weight_map.items()}
-            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-                raise ShardwiseError(
-                    f"'{index}' is not a safetensors index (a JSON object with a 'weight_map' of tensor name "
-                    f"to file name): {FIX}"
-                ) from None
-            self._headers = self._indexed_headers(index)
-        elif single.exists():
-            self._headers = read_header(single)
-            self.files = dict.fromkeys(self._headers, single)
-        else:
-            raise ShardwiseError(
-                f"no {SINGLE_FILE} or {INDEX_FILE} in '{self.folder}': the runtime loads safetensors checkpoints only"
-            )
-        self._stack = ExitStack()
-        self._handles: dict[Path, object] = {}
-
-    def _indexed_headers(self, index: Path) -> dict[str, TensorHeader]:
-        """The checked header entry of every tensor the index lists, from the file it names."""
-        by_file: dict[Path, list[str]] = {}
-        for name, path in self.files.items():
-            by_file.setdefault(path, []).append(name)
-        headers: dict[str, TensorHeader] = {}
-        for path, names in sorted(by_file.items()):
-            if not path.is_file():
-                raise ShardwiseError(f"checkpoint file '{path}' listed in {INDEX_FILE} does not exist")
-            header = read_header(path)
-            for name in names:
-                if name not in header:
-                    raise ShardwiseError(f"'{index}' maps tensor '{name}' to '{path}', which does not hold it: {FIX}")
-                headers[name] = header[name]
-        return headers
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the open safetensors files."""
-        self._stack.close()
-        self._handles.clear()
-
-    def _handle(self, name: str):
-        path = self.files[name]
-        if path not in self._handles:
-            try:
-                self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-            except Exception as exc:  # safetensors raises its own error types for bad headers
-                raise ShardwiseError(f"cannot read safetensors file '{path}': {exc}") from None
-        return self._handles[path]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of tensor ``name`` as stored."""
-        return self._headers[name].shape
-
-    def dtype(self, name: str) -> str:
-        """Stored dtype of tensor ``name`` as a torch name ('uint8', 'bfloat16', ...), from the header."""
-        raw = self._headers[name].dtype
-        return _SAFETENSORS_DTYPES.get(raw, raw)
-
-    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """The slice ``index`` (one slice per leading dimension) of tensor ``name``; a one-line
-        ShardwiseError when a float slice holds NaN or Inf."""
-        data = self._handle(name).get_slice(name)[index]
-        # a sum is NaN/Inf when an element is (no temporary as large as the slice); then count them,
-        # since a float16 sum can also overflow with every element finite
-        bad = int((~torch.isfinite(data)).sum()) if data.dtype in FLOAT_DTYPES and not torch.isfinite(data.sum()) else 0
-        if bad:
-            raise ShardwiseError(
-                f"checkpoint tensor '{name}' in '{self.files[name]}' holds {bad:,} NaN/Inf value(s): the weights are "
-                f"corrupt, {FIX}"
-            )
-        return data
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -279,22 +168,21 @@ def check_checkpoint(spec: ModelSpec, ckpt: Checkpoint) -> None:
         if got != src.shape:
             raise ShardwiseError(f"checkpoint tensor '{src.name}' has shape {_dims(got)}, expected {_dims(src.shape)}")
         dtype = ckpt.dtype(src.name)
-        if dtype not in _FLOAT_NAMES:
+        if dtype not in FLOAT_NAMES:
             raise ShardwiseError(
                 f"checkpoint tensor '{src.name}' has dtype {dtype}, expected a float weight "
-                f"({', '.join(_FLOAT_NAMES)}): {FIX}"
+                f"({', '.join(FLOAT_NAMES)}): {FIX}"
             )
         expected.add(src.name)
+    kind = "int-quantized" if quant.is_int else "MXFP4"
     for name, part, shape in _expected_packed(spec, quant):
-        expected_text = f"uint8 {quant.dims(part)} = {_dims(shape)}"
+        expected_text = f"{quant.dims(part)} = {_dims(shape)}"
         if name not in ckpt:
-            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' is missing (expected {expected_text})")
-        dtype = ckpt.dtype(name)
-        if dtype != "uint8":
-            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' has dtype {dtype}, expected {expected_text}")
-        got = ckpt.shape(name)
-        if got != shape:
-            raise ShardwiseError(f"MXFP4 checkpoint tensor '{name}' has shape {_dims(got)}, expected {expected_text}")
+            raise ShardwiseError(f"{kind} checkpoint tensor '{name}' is missing (expected {expected_text})")
+        if ckpt.dtype(name) not in quant.stored_dtypes(part):
+            raise ShardwiseError(f"{kind} checkpoint tensor '{name}' has dtype {ckpt.dtype(name)}, expected {expected_text}")
+        if ckpt.shape(name) != shape:
+            raise ShardwiseError(f"{kind} checkpoint tensor '{name}' has shape {_dims(ckpt.shape(name))}, expected {expected_text}")
         expected.add(name)
     extra = sorted(name for name in ckpt.files if name not in expected and not _not_a_weight(spec, name, expected))
     if extra:
@@ -333,11 +221,18 @@ def read_packed(
     if tensor.expert_dim is not None:
         experts = local_experts(tensor.num_experts, plan, tp_rank)
         index[tensor.expert_dim] = slice(experts.start, experts.stop)
-    cut, _ = _block_cut(tensor, plan, tp_rank)
+    cut = shard_slice(tensor, plan, tp_rank) if quant.is_int else _block_cut(tensor, plan, tp_rank)[0]
     if cut is not None:
         start, stop = cut
-        if tensor.tp_dim == len(tensor.shape) - 1:  # input dimension: whole blocks / packed bytes
+        if tensor.tp_dim == len(tensor.shape) - 1:  # input dimension: whole blocks / packed words / groups
             unit = quant.in_divisor(part)
+            if unit == 0:  # a per-channel scale: every rank reads it whole
+                return ckpt.read(name, tuple(index))
+            if start % unit or stop % unit:
+                raise ShardwiseError(
+                    f"{tensor.name}: rank {tp_rank}'s inputs [{start}, {stop}) do not fall on whole units of {unit} "
+                    f"of the packed tensor '{name}': use a tensor-parallel size that splits it evenly"
+                )
             start, stop = start // unit, stop // unit
         index[tensor.tp_dim] = slice(start, stop)
     return ckpt.read(name, tuple(index))
@@ -352,6 +247,8 @@ def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: Tensor
     if quant.packed(tensor, expert):
         blocks = read_packed(plan, tp_rank, tensor, ckpt, quant, BLOCKS, expert)
         scales = read_packed(plan, tp_rank, tensor, ckpt, quant, SCALES, expert)
+        if quant.is_int:
+            return int_decode(blocks, scales, quant.bits)
         inner = _block_cut(tensor, plan, tp_rank)[1]
         return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)[..., inner].contiguous()
     src = sources(spec, tensor, ckpt, expert)
@@ -393,12 +290,42 @@ def read_spans(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint, spans: lis
     if quant.packed(tensor):
         if tensor.tp_dim != 0:
             raise ShardwiseError(f"{tensor.name}: a packed fused tensor must be split by rows (tp_dim 0)")
-        packed = [torch.cat([ckpt.read(name, (slice(a, b),)) for a, b in spans]) for name in quant.names(tensor, None)]
-        blocks, scales = packed
+        blocks, scales = read_packed_spans(tensor, ckpt, quant, spans)
+        if quant.is_int:
+            return int_decode(blocks, scales, quant.bits)
         return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)
     src = sources(spec, tensor, ckpt)
     lead = (slice(None),) * tensor.tp_dim
     return torch.cat([ckpt.read(src.name, lead + (slice(a, b),)) for a, b in spans], dim=tensor.tp_dim)
+
+
+def read_packed_spans(tensor: TensorSpec, ckpt: Checkpoint, quant: Quantization,
+                      spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, scales) rows ``spans`` of a packed fused tensor split by rows, as stored."""
+    return tuple(torch.cat([ckpt.read(name, (slice(a, b),)) for a, b in spans]) for name in quant.names(tensor, None))
+
+
+def load_int_weight(model: torch.nn.Module, name: str, param: torch.nn.Parameter, ckpt: Checkpoint,
+                    quant: Quantization) -> None:
+    """Put an ``IntWeight`` holding this rank's packed slices (int8/int4 as stored) where float
+    parameter ``name`` of a Linear was, and build the kernel it runs on (once per process)."""
+    tensor, spans = param.spec, getattr(param, "spans", None)
+    if spans is not None:
+        blocks, scales = read_packed_spans(tensor, ckpt, quant, spans)
+    else:
+        blocks, scales = (read_packed(model.plan, model.shard.tp_rank, tensor, ckpt, quant, part, param.expert)
+                          for part in (BLOCKS, SCALES))
+    weight = IntWeight.from_stored(blocks, scales, quant.bits)
+    if (weight.q.shape[0], weight.in_features) != tuple(param.shape):
+        raise ShardwiseError(
+            f"checkpoint tensor '{tensor.name}' gives a packed slice of {weight.q.shape[0]}x{weight.in_features} "
+            f"weights for rank {model.shard.rank}, expected {_dims(param.shape)}"
+        )
+    kernel()
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    delattr(module, attr)
+    setattr(module, attr, weight)
 
 
 def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -> None:
@@ -409,10 +336,13 @@ def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -
         if check:
             check_checkpoint(spec, ckpt)
         with torch.no_grad():
-            for _, param in model.named_parameters():
+            for name, param in list(model.named_parameters()):
                 part = getattr(param, "packed", None)
                 rows = getattr(param, "rows", None)  # a vocab-parallel slice, maybe zero-padded
                 spans = getattr(param, "spans", None)  # rows from several parts of a fused tensor
+                if part is None and rows is None and quant.is_int and quant.packed(param.spec, param.expert):
+                    load_int_weight(model, name, param, ckpt, quant)
+                    continue
                 if part is not None:
                     data = read_packed(plan, tp_rank, param.spec, ckpt, quant, part, param.expert)
                 elif spans is not None:

@@ -92,8 +92,9 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 def param_dtype(spec: ModelSpec, tensor: TensorSpec, dtype: torch.dtype) -> torch.dtype:
     """Storage dtype of one parameter: the run dtype, except the groups transformers keeps in
     float32 (``ModelSpec.float32_groups``: DeepSeek-V3's router and correction bias, gpt-oss's
-    RMSNorm weights; the planner's ``ModelSpec.run_formats`` reads the same field)."""
-    return torch.float32 if tensor.group in spec.float32_groups else dtype
+    RMSNorm weights; the planner's ``ModelSpec.run_formats`` reads the same field) and single
+    tensors marked ``TensorSpec.keep_float32`` (Kimi's ``dt_bias``; the planner prices them so)."""
+    return torch.float32 if tensor.keep_float32 or tensor.group in spec.float32_groups else dtype
 
 
 def check_runnable(spec: ModelSpec, plan: ParallelPlan) -> None:

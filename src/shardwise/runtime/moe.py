@@ -53,7 +53,7 @@ class ExpertLinear(nn.Module):
 
     def __init__(self, tensor: TensorSpec, e: int, shard: Shard, dtype: torch.dtype, quant: Quantization):
         super().__init__()
-        self.packed = quant.packed(tensor, e)
+        self.packed = quant.packed(tensor, e) and not quant.is_int  # int weights: the loader swaps in an IntWeight
         if self.packed:
             local = shard.shape(tensor)
             self.weight_packed = packed_param(tensor, local, BLOCKS, quant, expert=e)

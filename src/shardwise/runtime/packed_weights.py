@@ -1,7 +1,7 @@
-"""MXFP4 checkpoints in the runtime: which weights are packed on disk, under which names
-and shapes, and the packed parameters a rank holds.
+"""Packed checkpoints in the runtime (MXFP4, and weight-only int8/int4): which weights are
+packed on disk, under which names and shapes, and the packed parameters a rank holds.
 
-Two layouts, detected from ``config.json``'s ``quantization_config``
+Three layouts, detected from ``config.json``'s ``quantization_config``
 (``shardwise.quant.layouts.detect_layout``):
 
 - gpt-oss (``quant_method: mxfp4``): the fused expert projections are stored as
@@ -12,6 +12,10 @@ Two layouts, detected from ``config.json``'s ``quantization_config``
   ``{module}.weight_packed`` uint8 [out, in/2] and ``{module}.weight_scale`` uint8
   [out, in/32]; a Linear is quantized when a config group's ``targets`` hits it
   ("Linear", an exact name or ``re:`` regex) and no ``ignore`` entry does.
+- compressed-tensors ``pack-quantized`` (``shardwise.quant.int_codec``): the same names and
+  rules, ``weight_packed`` int32 [out, in·bits/32] and ``weight_scale`` [out, in/group] (or
+  [out, 1] per channel); every such Linear stays packed in memory and runs through
+  ``runtime.int_matmul`` (the loader swaps it in: ``int_matmul.IntWeight``).
 
 Routed-expert weights stay packed in memory (4.25 bits per weight) and are decoded per
 use by ``runtime.mxfp4_matmul.mxfp4_matmul``; other quantized Linears (attention, dense MLP,
@@ -36,11 +40,13 @@ from shardwise.errors import ShardwiseError
 from shardwise.quant.layouts import (
     BYTES_PER_BLOCK,
     LAYOUT_COMPRESSED_TENSORS,
+    LAYOUT_CT_INT,
     LAYOUT_GPT_OSS,
     LAYOUT_NONE,
     compressed_tensors_names,
     detect_layout,
     gpt_oss_tensor_names,
+    int_scheme,
 )
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE
 from shardwise.runtime.stored_names import stored_name
@@ -70,8 +76,24 @@ class Quantization:
 
     @property
     def quantized(self) -> bool:
-        """True for an MXFP4 checkpoint."""
+        """True for a packed (MXFP4 or int) checkpoint."""
         return self.layout != LAYOUT_NONE
+
+    @property
+    def is_int(self) -> bool:
+        """True for weight-only int8/int4 (``pack-quantized``)."""
+        return self.layout == LAYOUT_CT_INT
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored element: 4 (MXFP4, int4) or 8."""
+        return int_scheme(self.config)[0] if self.is_int else 4
+
+    def group(self, in_features: int) -> int:
+        """Inputs sharing one scale: the int group size (``in_features`` per channel), or 32 (MXFP4)."""
+        if not self.is_int:
+            return BLOCK_SIZE
+        return int_scheme(self.config)[1] or in_features
 
     def packed(self, tensor: TensorSpec, expert: int | None = None) -> bool:
         """True when ``tensor`` (expert ``expert`` of a template) is stored as blocks + scales."""
@@ -81,7 +103,7 @@ class Quantization:
             module = tensor.name.rsplit(".", 1)[0]
             keep = self.config.get("modules_to_not_convert") or []
             return not any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in keep)
-        if self.layout == LAYOUT_COMPRESSED_TENSORS:
+        if self.layout in (LAYOUT_COMPRESSED_TENSORS, LAYOUT_CT_INT):
             if tensor.group not in MATMUL_GROUPS or len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
                 return False
             name = tensor.name.format(e=0 if expert is None else expert)
@@ -101,6 +123,8 @@ class Quantization:
     def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Stored (blocks, scales) shapes of a weight of logical shape [..., out, in]."""
         *lead, inp = shape
+        if self.is_int:
+            return (*lead, inp * self.bits // 32), (*lead, inp // self.group(inp))
         groups = inp // BLOCK_SIZE
         if self.layout == LAYOUT_GPT_OSS:
             return (*lead, groups, BYTES_PER_BLOCK), (*lead, groups)
@@ -109,11 +133,25 @@ class Quantization:
     def dims(self, part: str) -> str:
         """Symbolic stored shape of one half, for error messages."""
         if self.layout == LAYOUT_GPT_OSS:
-            return "[E, out, in/32, 16]" if part == BLOCKS else "[E, out, in/32]"
-        return "[out, in/2]" if part == BLOCKS else "[out, in/32]"
+            return "uint8 [E, out, in/32, 16]" if part == BLOCKS else "uint8 [E, out, in/32]"
+        if self.is_int:
+            group = int_scheme(self.config)[1]
+            return f"int32 [out, in*{self.bits}/32]" if part == BLOCKS else f"float [out, {f'in/{group}' if group else 1}]"
+        return "uint8 [out, in/2]" if part == BLOCKS else "uint8 [out, in/32]"
+
+    def stored_dtypes(self, part: str) -> tuple[str, ...]:
+        """The dtypes (torch names) one half may be stored in."""
+        if not self.is_int:
+            return ("uint8",)
+        return ("int32",) if part == BLOCKS else ("bfloat16", "float32", "float16")
 
     def in_divisor(self, part: str) -> int:
-        """Input elements per stored unit along the last logical axis of one half."""
+        """Input elements per stored unit along the last logical axis of one half (0: the half
+        is not cut along the input, a per-channel scale)."""
+        if self.is_int:
+            if part == BLOCKS:
+                return 32 // self.bits
+            return int_scheme(self.config)[1] or 0
         if part == SCALES or self.layout == LAYOUT_GPT_OSS:
             return BLOCK_SIZE
         return 2
@@ -128,7 +166,7 @@ def quantization(spec: ModelSpec) -> Quantization:
     layout = detect_layout(qc)
     if layout == LAYOUT_NONE:
         return NONE
-    if layout == LAYOUT_COMPRESSED_TENSORS and spec.family == "gpt_oss":
+    if layout in (LAYOUT_COMPRESSED_TENSORS, LAYOUT_CT_INT) and spec.family == "gpt_oss":
         raise ShardwiseError(
             "quantization_config of a gpt_oss checkpoint is compressed-tensors: gpt_oss experts are fused tensors, "
             "expected quant_method 'mxfp4' with *_blocks / *_scales (the gpt-oss layout)"

@@ -1,9 +1,11 @@
-"""Write MXFP4 checkpoints (and their dequantized float references) in the Hugging Face layouts.
+"""Write MXFP4 and weight-only int8/int4 checkpoints (and their dequantized float references) in
+the Hugging Face layouts.
 
 ``quantize_checkpoint(src, out)`` reads a float checkpoint tensor by tensor, encodes the
 chosen weights with the MXFP4 codec (``shardwise.quant.mxfp4_codec.encode``, OCP or round-up
-scales) and writes ``model.safetensors`` plus ``config.json`` with a
-``quantization_config`` the runtime, transformers and vLLM read:
+scales) or the int codec (``shardwise.quant.int_codec``: int8 per output channel, int4 per
+group of ``group_size`` inputs, bfloat16 scales) and writes ``model.safetensors`` plus
+``config.json`` with a ``quantization_config`` the runtime, transformers and vLLM read:
 
 - gpt_oss: the gpt-oss layout, ``{"quant_method": "mxfp4", "modules_to_not_convert":
   [...]}`` and ``*_blocks`` / ``*_scales`` for the fused expert projections, the layout
@@ -13,6 +15,10 @@ scales) and writes ``model.safetensors`` plus ``config.json`` with a
   every attention, dense-MLP, shared- and routed-expert Linear whose input width is a
   multiple of 32 is quantized; ``experts_only`` keeps all but the routed experts float.
   Routers, embeddings, the LM head and norms always stay float.
+- int8 / int4: compressed-tensors ``pack-quantized`` (``weight_packed`` int32 + ``weight_scale``
+  + ``weight_shape`` per Linear, llm-compressor's W8A16 / W4A16 layout) with the same selection
+  and ``ignore`` rules; a Linear whose input width is not a multiple of the group (32 for int8)
+  stays float.
 
 Which tensors end up packed is decided once, written into the config, and then read back
 through ``runtime.packed_weights.Quantization`` — the same rules the loader uses — so the file
@@ -41,14 +47,19 @@ from safetensors.torch import save_file
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan
 from shardwise.quant import mxfp4_codec as codec
-from shardwise.quant.layouts import CT_MXFP4_FORMAT, LAYOUT_COMPRESSED_TENSORS, LAYOUT_GPT_OSS
-from shardwise.runtime.loader import INDEX_FILE, Checkpoint, check_checkpoint, load_spec, read_shard, sources
+from shardwise.quant import int_codec
+from shardwise.quant.layouts import CT_INT_FORMAT, CT_MXFP4_FORMAT, detect_layout
+from shardwise.runtime.checkpoint_files import INDEX_FILE
+from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec, read_shard, sources
 from shardwise.runtime.packed_weights import Quantization, quantization
 from shardwise.runtime.stored_names import stored_name
 from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec, TensorSpec
 
-FORMATS = ("mxfp4",)
+FORMATS = ("mxfp4", "int8", "int4")
 """Formats ``quantize`` writes."""
+INT_BITS = {"int8": 8, "int4": 4}
+DEFAULT_INT4_GROUP = 32
+"""int4 inputs per scale by default: 4.5 bits per weight with bfloat16 scales, as llama.cpp's Q4_0."""
 
 GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 """gpt-oss's own ``modules_to_not_convert`` (openai/gpt-oss-20b config.json)."""
@@ -159,13 +170,16 @@ def _rule(generic: str) -> str:
     return f"re:^{pattern}$"
 
 
-def _compressed_tensors_config(spec: ModelSpec, experts_only: bool) -> dict[str, Any]:
-    """compressed-tensors mxfp4-pack-quantized config; ``ignore`` lists every Linear kept float."""
+def _compressed_tensors_config(spec: ModelSpec, experts_only: bool, bits: int | None = None,
+                               group: int | None = None) -> dict[str, Any]:
+    """compressed-tensors config, ``mxfp4-pack-quantized`` (``bits`` None) or int ``pack-quantized``
+    (per channel when ``group`` is None); ``ignore`` lists every Linear kept float."""
+    unit = codec.BLOCK_SIZE if bits is None else group or int_codec.GROUP_MULTIPLE
     quantize: dict[str, bool] = {}
     for t in spec.tensors():
         if t.group not in MATMUL_GROUPS or len(t.shape) != 2 or not t.name.endswith(".weight"):
             continue
-        wanted = t.shape[1] % codec.BLOCK_SIZE == 0 and (t.group == ROUTED_EXPERTS or not experts_only)
+        wanted = t.shape[1] % unit == 0 and (t.group == ROUTED_EXPERTS or not experts_only)
         for e in _names(t):
             quantize[_module(t, e, spec.family)] = wanted
     by_key: dict[str, list[str]] = {}
@@ -184,21 +198,37 @@ def _compressed_tensors_config(spec: ModelSpec, experts_only: bool) -> dict[str,
         "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8",
         "zp_dtype": None, "block_structure": None,
     }
+    fmt = CT_MXFP4_FORMAT
+    if bits is not None:
+        weights.update(num_bits=bits, type="int", strategy="group" if group else "channel", group_size=group,
+                       scale_dtype="torch.bfloat16")
+        fmt = CT_INT_FORMAT
     return {
         "quant_method": "compressed-tensors",
-        "format": CT_MXFP4_FORMAT,
+        "format": fmt,
         "quantization_status": "compressed",
         "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                        "output_activations": None, "format": CT_MXFP4_FORMAT},
+                        "output_activations": None, "format": fmt},
         },
         "ignore": ignore,
         "kv_cache_scheme": None,
     }
 
 
-def quantization_config(spec: ModelSpec, experts_only: bool = False) -> dict[str, Any]:
-    """The ``quantization_config`` ``quantize`` writes for ``spec`` (gpt-oss layout for gpt_oss)."""
+def quantization_config(spec: ModelSpec, experts_only: bool = False, fmt: str = "mxfp4",
+                        group_size: int | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` ``quantize`` writes for ``spec`` in ``fmt`` (gpt-oss layout for
+    gpt_oss MXFP4; ``group_size``: int4 inputs per scale, default 32; int8 is per channel)."""
+    if fmt in INT_BITS:
+        if spec.family == "gpt_oss":
+            raise ShardwiseError(f"--format {fmt}: gpt_oss experts are fused tensors the int layout cannot express: use mxfp4")
+        group = (group_size or DEFAULT_INT4_GROUP) if fmt == "int4" else group_size
+        if group is not None:
+            int_codec.check_scheme(INT_BITS[fmt], group, group, "--group-size")
+        return _compressed_tensors_config(spec, experts_only, INT_BITS[fmt], group)
+    if group_size is not None:
+        raise ShardwiseError("--group-size applies to int8/int4: MXFP4 blocks are 32 inputs, drop --group-size")
     if spec.family == "gpt_oss":
         return {"quant_method": "mxfp4", "modules_to_not_convert": list(GPT_OSS_NOT_CONVERTED)}
     return _compressed_tensors_config(spec, experts_only)
@@ -244,8 +274,9 @@ def quantize_checkpoint(
     scale_rounding: str = "ocp",
     compare: bool = True,
     progress: Callable[[str], None] | None = None,
+    group_size: int | None = None,
 ) -> QuantizeResult:
-    """Write an MXFP4 copy of float checkpoint ``src`` to ``out``; see the module docstring.
+    """Write an MXFP4 / int8 / int4 copy of float checkpoint ``src`` to ``out``; see the module docstring.
 
     ``progress`` is called with each tensor's name after it is written; ``compare`` runs
     both checkpoints on ``fixed_prompt`` (runtime families only).
@@ -263,9 +294,9 @@ def quantize_checkpoint(
         )
     if spec.moe is None and experts_only:
         raise ShardwiseError(f"--experts-only needs routed experts but {spec.name} is dense: drop --experts-only")
-    qc = quantization_config(spec, experts_only)
+    qc = quantization_config(spec, experts_only, fmt, group_size)
     config = {**_src_config(src), "quantization_config": qc}
-    quant = Quantization(LAYOUT_GPT_OSS if spec.family == "gpt_oss" else LAYOUT_COMPRESSED_TENSORS, qc, spec.family)
+    quant = Quantization(detect_layout(qc), qc, spec.family)
     result = QuantizeResult(out, quant.layout, scale_rounding, qc)
     plan = ParallelPlan()
     tensors: dict[str, torch.Tensor] = {}
@@ -277,7 +308,12 @@ def quantize_checkpoint(
                 data = read_shard(spec, plan, 0, t, ckpt, e)
                 stats.params += data.numel()
                 stats.bytes_before += data.numel() * data.element_size()
-                if quant.packed(t, e):
+                if quant.packed(t, e) and quant.is_int:
+                    stats.bytes_after += _write_int(tensors, quant, t, e, data.float().numpy(), stats)
+                    result.quantized_tensors += 1
+                    if progress is not None:
+                        progress(quant.names(t, e)[0])
+                elif quant.packed(t, e):
                     if t.shape[-1] % codec.BLOCK_SIZE:
                         raise ShardwiseError(
                             f"tensor '{t.name}' has {t.shape[-1]} inputs, expected a multiple of {codec.BLOCK_SIZE} "
@@ -307,6 +343,22 @@ def quantize_checkpoint(
     if compare:
         _compare(src, out, result)
     return result
+
+
+def _write_int(tensors: dict[str, torch.Tensor], quant: Quantization, t: TensorSpec, e: int | None,
+               weight: np.ndarray, stats: GroupStats) -> int:
+    """Encode one float weight [out, in] as int8/int4 into ``tensors`` (packed words, bfloat16
+    scales, shape); adds its error to ``stats`` and returns the bytes written."""
+    q, scale = int_codec.encode(weight, quant.bits, quant.group(weight.shape[1]))
+    err = int_codec.decode(q, scale, np.float64) - weight
+    stats.err_sq += float(np.sum(err * err))
+    stats.ref_sq += float(np.sum(weight.astype(np.float64) ** 2))
+    stats.quantized_params += weight.size
+    packed_name, scale_name = quant.names(t, e)
+    tensors[packed_name] = torch.from_numpy(int_codec.pack(q, quant.bits))
+    tensors[scale_name] = torch.from_numpy(scale).to(torch.bfloat16)  # exact: the scales are bfloat16 values
+    tensors[packed_name.removesuffix("packed") + "shape"] = torch.tensor(weight.shape, dtype=torch.int64)
+    return sum(tensors[n].numel() * tensors[n].element_size() for n in (packed_name, scale_name))
 
 
 def _compare(src: Path, out: Path, result: QuantizeResult) -> None:

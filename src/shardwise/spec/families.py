@@ -6,11 +6,11 @@ Mixer tensors come from ``shardwise.spec.mixers``, the rest from ``shardwise.spe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from shardwise.errors import ShardwiseError, shown
+from shardwise.spec.config_fields import Config, check_fields  # noqa: F401  (parse reads them here)
 from shardwise.spec.mixers import (
     LinearAttentionSpec,
     MLASpec,
@@ -40,114 +40,40 @@ from shardwise.spec.tensors import (
 )
 
 
-class Config:
-    """Typed access to a config dict with one-line errors naming the missing field."""
-
-    def __init__(self, data: Mapping[str, Any], model_type: str):
-        self.data = data
-        self.model_type = model_type
-
-    def req(self, key: str) -> Any:
-        if key not in self.data or self.data[key] is None:
-            raise ShardwiseError(
-                f"config.json ({self.model_type}) is missing required field '{key}': add it to the config"
-            )
-        return self.data[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self.data.get(key, default)
-        return default if value is None else value
-
-    def int(self, key: str, default: int | None = None) -> int:
-        value = self.req(key) if default is None else self.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ShardwiseError(f"config.json field '{key}' must be a non-negative integer, got {shown(value)}")
-        return value
-
-
-# ---- impossible values, refused before any arithmetic -----------------------------------------
-
-POSITIVE_FIELDS = (  # sizes that divide, or that a model cannot have none of: whole numbers >= 1
-    "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_key_value_heads", "head_dim",
-    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
-    "num_experts_per_tok", "num_experts_per_token", "experts_per_token", "decoder_sparse_step", "moe_layer_freq",
-    "full_attention_interval", "n_group", "num_expert_group", "topk_group", "kv_lora_rank", "qk_nope_head_dim",
-    "v_head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
-COUNT_FIELDS = (  # whole numbers >= 0 (0 or null: none)
-    "n_shared_experts", "num_shared_experts", "first_k_dense_replace", "shared_expert_intermediate_size",
-    "qk_rope_head_dim", "q_lora_rank", "routed_expert_hidden_size", "sliding_window", "max_position_embeddings",
-    "model_max_length",
-)
-NUMBER_FIELDS = ("rms_norm_eps", "routed_scaling_factor")  # finite numbers
-EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
-TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token")
-MAX_SIZE = 2**32  # any size or count: far past real models (vocabulary 256 k), inside int64 byte arithmetic
-MOST = {  # tighter where the planner loops over the value
-    "num_hidden_layers": 1024,  # 8x the deepest bundled model; each layer is built and priced
-    "num_attention_heads": 4096, "num_key_value_heads": 4096,  # TP degrees are tried up to the head count
-    **dict.fromkeys(EXPERT_FIELDS, 65536),
-    **dict.fromkeys(TOP_K_FIELDS, 64),  # the exact expert-imbalance pmf costs k^3; 4x the most bundled (16)
-}
-
-
-def check_fields(data: Mapping[str, Any], positive=POSITIVE_FIELDS, counts=COUNT_FIELDS, where: str = "") -> None:
-    """Refuse impossible config values (zero heads, negative or astronomic sizes, a head count the
-    KV heads do not divide, more experts per token than experts, a layer list of the wrong
-    length) in one line naming the field, before a builder divides by them."""
-    def bad(key: str, want: str) -> ShardwiseError:
-        return ShardwiseError(f"config.json field '{where}{key}' must be {want}, got {shown(data[key])}")
-
-    for keys, least in ((positive, 1), (counts, 0)):
-        for key in keys:
-            value, most = data.get(key), MOST.get(key, MAX_SIZE)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most):
-                raise bad(key, f"a whole number in {least}..{most:,}")
-    for key in NUMBER_FIELDS:
-        value = data.get(key)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
-            raise bad(key, "a finite number")
-    for key, kind in (("mlp_only_layers", int), ("full_attn_layers", int), ("layer_types", str)):
-        value = data.get(key)
-        if value is not None and (not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool)
-                                                                            for v in value)):
-            raise bad(key, f"a list of {kind.__name__}s")
-    layers, types = data.get("num_hidden_layers"), data.get("layer_types")
-    if types is not None and layers is not None and len(types) != layers:
-        raise ShardwiseError(f"config.json field 'layer_types' has {len(types)} entries, expected num_hidden_layers = {layers}")
-    heads, kv, hidden = data.get("num_attention_heads"), data.get("num_key_value_heads"), data.get("hidden_size")
-    if heads is not None and kv is not None and heads % kv:
-        raise ShardwiseError(f"config.json field 'num_key_value_heads' ({kv}) must divide num_attention_heads ({heads})")
-    if heads is not None and hidden is not None and data.get("head_dim") is None and hidden < heads:
-        raise ShardwiseError(f"config.json field 'hidden_size' ({hidden}) is below num_attention_heads ({heads}): "
-                             "give head_dim, or a hidden size of heads x head_dim")
-    experts = next((data[k] for k in EXPERT_FIELDS if data.get(k) is not None), None)
-    for key in TOP_K_FIELDS:
-        if experts is not None and data.get(key) is not None and data[key] > experts:
-            raise bad(key, f"at most the {experts} experts")
-
-
-# ---- families --------------------------------------------------------------------------------
-
-
 def _build_llama(cfg: Config) -> dict[str, Any]:
+    """Dense GQA decoders with a SwiGLU MLP: llama, and the plain variants of it that differ only in
+    biases, q/k norms or a sliding window: qwen2 (q/k/v biases, no o_proj bias), qwen3 (RMSNorm per
+    head on q and k), mistral (every layer sliding when ``sliding_window`` is set)."""
+    mt = cfg.model_type
     hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
     kv = cfg.int("num_key_value_heads", heads)
     hd = cfg.int("head_dim", hidden // heads)
     inter = cfg.int("intermediate_size")
+    if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False):
+        raise ShardwiseError(f"config.json field 'use_sliding_window' true is not supported for {mt}: use false")
+    window = (cfg.int("sliding_window", 0) or None) if mt == "mistral" else None
+    qk_norm = "head" if mt == "qwen3" else None
     layers = []
     for i in range(n_layers):
         p = f"model.layers.{i}."
-        tensors = gqa_tensors(p + "self_attn.", hidden, heads, kv, hd, bool(cfg.get("attention_bias", False)), None)
+        a = p + "self_attn."
+        if mt == "qwen2":  # Qwen2: biases on q/k/v only
+            tensors = gqa_tensors(a, hidden, heads, kv, hd, False, None)
+            tensors[3:3] = [
+                TensorSpec(f"{a}q_proj.bias", (heads * hd,), ATTENTION, tp_dim=0, tp_unit=hd),
+                TensorSpec(f"{a}k_proj.bias", (kv * hd,), ATTENTION, tp_dim=0, tp_unit=hd),
+                TensorSpec(f"{a}v_proj.bias", (kv * hd,), ATTENTION, tp_dim=0, tp_unit=hd),
+            ]
+        else:
+            tensors = gqa_tensors(a, hidden, heads, kv, hd, bool(cfg.get("attention_bias", False)), qk_norm)
         tensors += swiglu(p + "mlp.", hidden, inter, DENSE_MLP)
         if cfg.get("mlp_bias", False):
             raise ShardwiseError("config.json field 'mlp_bias' true is not supported: shardwise reads llama with mlp_bias false")
         tensors += layer_norms(p, hidden)
-        layers.append(LayerSpec(i, "gqa", "dense", tuple(tensors)))
+        layers.append(LayerSpec(i, "sliding" if window else "gqa", "dense", tuple(tensors), window))
     return dict(
-        family="llama", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
-        intermediate_size=inter, layers=tuple(layers),
+        family="llama" if mt == "llama" else mt, num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        intermediate_size=inter, layers=tuple(layers), sliding_window=window,
     )
 
 
@@ -181,6 +107,48 @@ def _build_qwen3_moe(cfg: Config) -> dict[str, Any]:
     )
     return dict(
         family="olmoe" if olmoe else "qwen3_moe", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+        intermediate_size=inter, layers=tuple(layers), moe=moe_spec, sliding_window=window,
+    )
+
+
+def _build_block_sparse_moe(cfg: Config) -> dict[str, Any]:
+    """Every layer GQA + a routed-expert MLP under ``block_sparse_moe`` (experts w1/w3/w2), no shared
+    expert: mixtral (softmax over all experts, top-k, renormalised) and minimax_m2 (sigmoid scores with
+    a routing bias, top-k renormalised; q/k RMSNorm over all heads' width when ``qk_norm_type`` is
+    "per_layer"; ``rotary_dim`` only changes which dimensions rotate, not a shape)."""
+    minimax = cfg.model_type == "minimax_m2"
+    hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
+    kv = cfg.int("num_key_value_heads", heads)
+    hd = cfg.int("head_dim", hidden // heads)
+    inter = cfg.int("intermediate_size")
+    n_exp, top_k = cfg.int("num_local_experts"), cfg.int("num_experts_per_tok")
+    window = cfg.int("sliding_window", 0) or None
+    qk_norm = None
+    if minimax:
+        if cfg.int("shared_intermediate_size", 0):
+            raise ShardwiseError("config.json field 'shared_intermediate_size' > 0 is not supported for minimax_m2: use 0")
+        if cfg.get("use_qk_norm", False):
+            if cfg.get("qk_norm_type", "per_layer") != "per_layer":
+                raise ShardwiseError(f"config.json field 'qk_norm_type' {shown(cfg.get('qk_norm_type'))} is not "
+                                     "supported for minimax_m2: shardwise reads per_layer")
+            qk_norm = "full"
+    layers = []
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        tensors = gqa_tensors(p + "self_attn.", hidden, heads, kv, hd, bool(cfg.get("attention_bias", False)), qk_norm)
+        m = p + "block_sparse_moe."
+        tensors.append(rep(m + "gate.weight", (n_exp, hidden), ROUTER))
+        if minimax and cfg.get("use_routing_bias", False):
+            tensors.append(rep(m + "e_score_correction_bias", (n_exp,), ROUTER))
+        tensors += experts(m + "experts.", hidden, inter, n_exp, names=("w1", "w3", "w2"))
+        tensors += layer_norms(p, hidden)
+        layers.append(LayerSpec(i, "sliding" if window else "gqa", "moe", tuple(tensors), window))
+    moe_spec = MoESpec(
+        num_experts=n_exp, top_k=top_k, shared_experts=0, intermediate_size=inter, shared_intermediate_size=0,
+        routing="sigmoid_grouped" if minimax else "softmax_topk", norm_topk_prob=True,
+    )
+    return dict(
+        family=cfg.model_type, num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
         intermediate_size=inter, layers=tuple(layers), moe=moe_spec, sliding_window=window,
     )
 
@@ -270,10 +238,20 @@ def _build_gpt_oss(cfg: Config) -> dict[str, Any]:
 
 
 def _build_qwen3_5_moe(cfg: Config) -> dict[str, Any]:
+    """Qwen3.5 (and Qwen3-Next, its text-only predecessor with the same tensor shapes): Gated DeltaNet
+    layers with a gated full-attention layer every ``full_attention_interval``; routed experts plus a
+    gated shared expert, or (qwen3_5 / qwen3_5_text, the dense models) a SwiGLU MLP in every layer."""
+    inner = cfg.data.get("model_type", cfg.model_type)
+    dense = inner in ("qwen3_5", "qwen3_5_text")
     hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
     kv, hd = cfg.int("num_key_value_heads"), cfg.int("head_dim", hidden // heads)
-    n_exp, top_k, moe_inter = cfg.int("num_experts"), cfg.int("num_experts_per_tok"), cfg.int("moe_intermediate_size")
+    if dense:
+        n_exp = top_k = moe_inter = 0
+    else:
+        n_exp, top_k, moe_inter = cfg.int("num_experts"), cfg.int("num_experts_per_tok"), cfg.int("moe_intermediate_size")
     shared_inter = cfg.int("shared_expert_intermediate_size", 0)
+    step = cfg.int("decoder_sparse_step", 1)
+    mlp_only = set(cfg.get("mlp_only_layers", []))
     la = LinearAttentionSpec(
         num_key_heads=cfg.int("linear_num_key_heads"), num_value_heads=cfg.int("linear_num_value_heads"),
         key_head_dim=cfg.int("linear_key_head_dim"), value_head_dim=cfg.int("linear_value_head_dim"),
@@ -286,7 +264,7 @@ def _build_qwen3_5_moe(cfg: Config) -> dict[str, Any]:
     gate = bool(cfg.get("attn_output_gate", True))
     layers = []
     # the multimodal wrapper nests the text model (the real checkpoint); a text-only one does not
-    prefix = "model.language_model." if cfg.model_type == "qwen3_5_moe" else "model."
+    prefix = "model.language_model." if cfg.model_type in ("qwen3_5_moe", "qwen3_5") else "model."
     for i in range(n_layers):
         p = f"{prefix}layers.{i}."
         if types[i] == "full_attention":
@@ -296,21 +274,30 @@ def _build_qwen3_5_moe(cfg: Config) -> dict[str, Any]:
             tensors = gated_deltanet_tensors(p + "linear_attn.", hidden, la)
             kind = "gated_deltanet"
         m = p + "mlp."
-        tensors.append(rep(m + "gate.weight", (n_exp, hidden), ROUTER))
-        tensors += experts(m + "experts.", hidden, moe_inter, n_exp)
-        if shared_inter:
-            tensors += swiglu(m + "shared_expert.", hidden, shared_inter, SHARED_EXPERTS)
-            tensors.append(rep(m + "shared_expert_gate.weight", (1, hidden), ROUTER))
+        moe = not dense and i not in mlp_only and (i + 1) % step == 0
+        if moe:
+            tensors.append(rep(m + "gate.weight", (n_exp, hidden), ROUTER))
+            tensors += experts(m + "experts.", hidden, moe_inter, n_exp)
+            if shared_inter:
+                tensors += swiglu(m + "shared_expert.", hidden, shared_inter, SHARED_EXPERTS)
+                tensors.append(rep(m + "shared_expert_gate.weight", (1, hidden), ROUTER))
+        else:
+            tensors += swiglu(m, hidden, cfg.int("intermediate_size"), DENSE_MLP)
         tensors += layer_norms(p, hidden)
-        layers.append(LayerSpec(i, kind, "moe", tuple(tensors)))
+        layers.append(LayerSpec(i, kind, "moe" if moe else "dense", tuple(tensors)))
+    if dense:
+        return dict(
+            family="qwen3_5", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
+            intermediate_size=cfg.int("intermediate_size"), layers=tuple(layers), linear_attention=la, prefix=prefix,
+        )
     moe_spec = MoESpec(
         num_experts=n_exp, top_k=top_k, shared_experts=1 if shared_inter else 0, intermediate_size=moe_inter,
         shared_intermediate_size=shared_inter, routing="softmax_topk", norm_topk_prob=True,
     )
     return dict(
-        family="qwen3_5_moe", num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
-        intermediate_size=cfg.int("moe_intermediate_size"), layers=tuple(layers), moe=moe_spec,
-        linear_attention=la, prefix=prefix,
+        family="qwen3_next" if cfg.model_type == "qwen3_next" else "qwen3_5_moe", num_layers=n_layers, num_heads=heads,
+        num_kv_heads=kv, head_dim=hd, intermediate_size=cfg.int("moe_intermediate_size"), layers=tuple(layers),
+        moe=moe_spec, linear_attention=la, prefix=prefix,
     )
 
 
@@ -394,6 +381,11 @@ def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
 
 BUILDERS = {
     "llama": _build_llama,
+    "mistral": _build_llama,
+    "qwen2": _build_llama,
+    "qwen3": _build_llama,
+    "mixtral": _build_block_sparse_moe,
+    "minimax_m2": _build_block_sparse_moe,
     "qwen3_moe": _build_qwen3_moe,
     "olmoe": _build_qwen3_moe,
     "deepseek_v2": _build_deepseek,
@@ -402,6 +394,9 @@ BUILDERS = {
     "gpt_oss": _build_gpt_oss,
     "qwen3_5_moe": _build_qwen3_5_moe,
     "qwen3_5_moe_text": _build_qwen3_5_moe,
+    "qwen3_5": _build_qwen3_5_moe,
+    "qwen3_5_text": _build_qwen3_5_moe,
+    "qwen3_next": _build_qwen3_5_moe,
     "kimi_k3": _build_kimi_linear,
     "kimi_linear": _build_kimi_linear,
 }

@@ -26,6 +26,8 @@ and ``[[links]]``)::
 
 Measured figures replace the catalog's in ``ClusterSpec.box`` / ``ClusterSpec.link``
 (their source then reads ``measured: ...``). Files are written with ``tomli_w``.
+
+A box outside the catalog: ``shardwise.spec.box_spec``.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Box(_Sourced, frozen=True, kw_only=True):
     rated_watts: Positive
     list_price_usd: Positive
     builder_price_usd: Positive | None = None
+    memory_options: tuple[Positive, ...] | None = None
 
     FIGURES: ClassVar[tuple[str, ...]] = (
         "memory_gb",
@@ -111,7 +114,13 @@ class Box(_Sourced, frozen=True, kw_only=True):
         "rated_watts",
         "list_price_usd",
         "builder_price_usd",
+        "memory_options",
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.memory_options is not None and self.memory_gb not in self.memory_options:
+            raise ValueError(f"memory_gb = {self.memory_gb:g} is not one of memory_options {list(self.memory_options)}")
 
     @property
     def memory_bytes(self) -> float:
@@ -288,14 +297,14 @@ def _updated(entry: _Sourced, updates: dict[str, float | None], measured: Measur
     return msgspec.structs.replace(entry, **changes, sources=sources, estimates=entry.estimates - set(changes))
 
 
-def _read_toml(path: str | Path) -> tuple[dict[str, Any], str]:
+def read_toml(path: str | Path, what: str = "cluster file") -> tuple[dict[str, Any], str]:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ShardwiseError(f"{path}: cannot read cluster file ({exc.strerror}); check the path") from None
+        raise ShardwiseError(f"{path}: cannot read {what} ({exc.strerror}); check the path") from None
     except UnicodeDecodeError as exc:
-        raise ShardwiseError(f"{path}: cluster file is not UTF-8 text (byte {exc.start}); is it a TOML file?") from None
+        raise ShardwiseError(f"{path}: {what} is not UTF-8 text (byte {exc.start}); is it a TOML file?") from None
     try:
         return tomllib.loads(text), text
     except tomllib.TOMLDecodeError as exc:
@@ -340,7 +349,7 @@ def _link_for(table: dict[str, Any], where: str) -> Link | None:
 def load_topology_file(path: str | Path) -> Topology:
     """Topology from a cluster file (``[cluster]`` optional; its ``link`` gives cable defaults)."""
     where = str(path)
-    doc, text = _read_toml(path)
+    doc, text = read_toml(path)
     table = _cluster_table(doc, where, required=False)
     link = _link_for(table, where)
     if link is not None:
@@ -372,7 +381,7 @@ def _measured(table: dict[str, Any], where: str) -> Measured | None:
 def load_cluster_file(path: str | Path) -> ClusterSpec:
     """ClusterSpec from a user cluster TOML file (format in the module docstring)."""
     where = str(path)
-    doc, text = _read_toml(path)
+    doc, text = read_toml(path)
     table = _cluster_table(doc, where, required=True)
     try:
         box = get_box(_catalog_name(table, "box", where))

@@ -182,7 +182,8 @@ def gated_deltanet_tensors(prefix: str, hidden: int, la: LinearAttentionSpec) ->
 def kda_tensors(prefix: str, hidden: int, la: LinearAttentionSpec, full_rank_gate: bool = False) -> list[TensorSpec]:
     """Kimi Delta Attention (transformers' kimi_linear names): q/k/v and their short convs split by
     heads; the low-rank gate down-projections replicated, their up-projections split;
-    ``full_rank_gate`` makes the forget gate one full-rank projection (f_proj)."""
+    ``full_rank_gate`` makes the forget gate one full-rank projection (f_proj); ``dt_bias`` held
+    in float32 (``TensorSpec.keep_float32``)."""
     heads, dim = la.num_value_heads, la.value_head_dim
     qkv = heads * dim
     out = [
@@ -205,7 +206,8 @@ def kda_tensors(prefix: str, hidden: int, la: LinearAttentionSpec, full_rank_gat
         rep(prefix + "g_a_proj.weight", (dim, hidden), LINEAR_ATTENTION),
         col(prefix + "g_b_proj.weight", qkv, dim, LINEAR_ATTENTION, dim),
         TensorSpec(prefix + "A_log", (1, 1, heads, 1), LINEAR_ATTENTION, tp_dim=2),  # stored [1, 1, heads, 1]
-        TensorSpec(prefix + "dt_bias", (qkv,), LINEAR_ATTENTION, tp_dim=0, tp_unit=dim),
+        # dt_bias in float32 in any run dtype (transformers' _keep_in_fp32_modules_strict); A_log is not
+        TensorSpec(prefix + "dt_bias", (qkv,), LINEAR_ATTENTION, tp_dim=0, tp_unit=dim, keep_float32=True),
         norm(prefix + "o_norm.weight", dim),
         row(prefix + "o_proj.weight", hidden, qkv, LINEAR_ATTENTION, dim),
     ]

@@ -29,6 +29,7 @@ from shardwise.spec.tensors import (  # noqa: F401  (the tensor vocabulary, re-e
     LATENT_PROJ,
     LINEAR_ATTENTION,
     LM_HEAD,
+    FLOAT32_BITS,
     MATMUL_GROUPS,
     NORM,
     ROUTED_EXPERTS,
@@ -136,7 +137,7 @@ class ModelSpec:
         out = []
         for layer in self.layers:
             key = (layer.attention, layer.mlp, layer.window) + tuple(
-                (t.shape, t.group, t.tp_dim, t.tp_unit, t.tp_pad, t.tp_parts, t.experts, t.expert_dim)
+                (t.shape, t.group, t.tp_dim, t.tp_unit, t.tp_pad, t.tp_parts, t.experts, t.expert_dim, t.keep_float32)
                 for t in layer.tensors)
             out.append(ids.setdefault(key, len(ids)))
         return tuple(out)
@@ -163,11 +164,22 @@ class ModelSpec:
 
     @cached_property
     def unpacked_params_by_group(self) -> dict[str, int]:
-        """Per group, the parameters that are not matmul weights (biases, 1-D parameters): they
-        stay unpacked when the group is stored in a block format (``tensors.tensor_bits``)."""
+        """Per group, the parameters that are not matmul weights (biases, 1-D parameters) and not
+        ``keep_float32``: they stay unpacked when the group is stored in a block format
+        (``tensors.tensor_bits``) (elements)."""
         counts = dict.fromkeys(TENSOR_GROUPS, 0)
         for t in self.tensors():
-            if not t.is_matmul:
+            if not t.is_matmul and not t.keep_float32:
+                counts[t.group] += t.total_numel
+        return counts
+
+    @cached_property
+    def float32_params_by_group(self) -> dict[str, int]:
+        """Per group, the parameters of ``keep_float32`` tensors, held at ``FLOAT32_BITS`` whatever
+        the group's format (elements)."""
+        counts = dict.fromkeys(TENSOR_GROUPS, 0)
+        for t in self.tensors():
+            if t.keep_float32:
                 counts[t.group] += t.total_numel
         return counts
 
@@ -180,11 +192,14 @@ class ModelSpec:
 
     def weight_bytes(self, formats_bits: Mapping[str, float], active: bool = False) -> float:
         """Bytes of every weight (``active``: of the weights one decoded token touches) at
-        ``formats_bits``, biases and 1-D parameters of packed groups unpacked."""
-        unpacked = self.unpacked_params_by_group
-        counts, small = (self.active_params_by_group, self._active(unpacked)) if active else (self.params_by_group, unpacked)
-        return sum((n - small[g]) * formats_bits[g] + small[g] * formats_bits.get(unpacked_key(g), formats_bits[g])
-                   for g, n in counts.items()) / 8
+        ``formats_bits`` (bits per weight per group), biases and 1-D parameters of packed groups
+        unpacked, ``keep_float32`` tensors at ``FLOAT32_BITS``."""
+        small, fp32 = self.unpacked_params_by_group, self.float32_params_by_group
+        counts = self.params_by_group
+        if active:
+            counts, small, fp32 = self.active_params_by_group, self._active(small), self._active(fp32)
+        return sum((n - small[g] - fp32[g]) * formats_bits[g] + fp32[g] * FLOAT32_BITS
+                   + small[g] * formats_bits.get(unpacked_key(g), formats_bits[g]) for g, n in counts.items()) / 8
 
     @property
     def total_params(self) -> int:
@@ -215,11 +230,14 @@ class ModelSpec:
 
     def run_formats(self, dtype: str) -> dict[str, str]:
         """Format per tensor group as the shardwise runtime holds a run in ``dtype`` (a format
-        name: fp32, bf16, fp16): every group at ``dtype`` except ``float32_groups`` (fp32) and
-        routed experts the checkpoint packs in MXFP4, which stay packed."""
+        name: fp32, bf16, fp16): every group at ``dtype`` except ``float32_groups`` (fp32),
+        routed experts the checkpoint packs in MXFP4 and every group it packs as weight-only int8 /
+        int4 (``runtime.int_matmul``), which stay packed. Single ``keep_float32`` tensors are float32
+        whatever their group's format (priced so by the planner itself)."""
         formats = {g: "fp32" if g in self.float32_groups else dtype for g in TENSOR_GROUPS}
         if self.quant_formats.get(ROUTED_EXPERTS) == "mxfp4":
             formats[ROUTED_EXPERTS] = "mxfp4"
+        formats.update({g: f for g, f in self.quant_formats.items() if f.startswith("int")})
         return formats
 
     # ---- cache (one sequence, tp = 1; per-rank figures: shardwise.perf.core) --------------

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ShardwiseError, shown, unknown_name
+from shardwise.quant.formats import FORMATS
+from shardwise.quant.layouts import int_scheme
 from shardwise.spec.families import BUILDERS, Config, check_fields
 from shardwise.spec.model import ModelSpec
 from shardwise.spec.tensors import (
@@ -82,7 +84,7 @@ def parse_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     if model_type is None:
         raise ShardwiseError("config.json is missing 'model_type': this is not a Hugging Face model config")
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else None
-    if model_type in ("kimi_k3", "qwen3_5_moe") and text is None:
+    if model_type in ("kimi_k3", "qwen3_5_moe", "qwen3_5") and text is None:
         raise ShardwiseError(f"config.json ({model_type}) is missing 'text_config'")
     data = dict(text) if text is not None else dict(config)
     inner_type = data.get("model_type", model_type)
@@ -131,6 +133,19 @@ def _dtype_name(value: str) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(value, "bf16")
 
 
+def _int_format(qc: Mapping[str, Any]) -> str:
+    """The formats-catalog name of a ``pack-quantized`` config's weights: int8 (per channel) or
+    int{bits}-g{group}; a scheme the catalog lacks is a one-line error."""
+    bits, group = int_scheme(qc)
+    name = f"int{bits}" + (f"-g{group}" if group else "")
+    if name not in FORMATS:
+        raise ShardwiseError(
+            f"quantization_config pack-quantized {bits}-bit weights with group size {group} are not in the formats "
+            f"catalog: use int8 per channel or int4 with group 32, 64 or 128"
+        )
+    return name
+
+
 def _quant_formats(qc: Mapping[str, Any] | None) -> tuple[str | None, dict[str, str]]:
     """Format per tensor group from a ``quantization_config`` (empty when unquantized)."""
     if not qc:
@@ -153,7 +168,7 @@ def _quant_formats(qc: Mapping[str, Any] | None) -> tuple[str | None, dict[str, 
         elif "float-quantized" in fmt:
             name = "fp8"
         elif "pack-quantized" in fmt:
-            name = "int4-g128"
+            name = _int_format(qc)
         else:
             raise ShardwiseError(f"quantization_config format '{fmt}' is not supported: use mxfp4, nvfp4 or fp8")
         ignore = [p[3:] for p in qc.get("ignore", []) if isinstance(p, str) and p.startswith("re:")]

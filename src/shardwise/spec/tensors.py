@@ -1,7 +1,9 @@
 """Weight tensors: the tensor groups, one tensor's declaration (shape and how TP splits it), and
 the constructors every model family and mixer kind uses to declare its tensors.
 
-A tensor group is the unit of precision choice (one format per group) and of bytes accounting.
+A tensor group is the unit of precision choice (one format per group) and of bytes accounting;
+a tensor marked ``keep_float32`` is the one exception: it is held in float32 whatever its group's
+format (transformers' ``_keep_in_fp32_modules_strict``), as the runtime holds it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ TENSOR_GROUPS = (
 # biases stay in the model's dtype in every scheme we read).
 MATMUL_GROUPS = (ATTENTION, LINEAR_ATTENTION, DENSE_MLP, SHARED_EXPERTS, ROUTED_EXPERTS, LATENT_PROJ)
 
+FLOAT32_BITS = 32.0  # bits per element of a ``keep_float32`` tensor, in any run dtype or format
+
 
 def unpacked_key(group: str) -> str:
     """Key of a bits-per-weight table for the biases and 1-D parameters of ``group`` when the
@@ -61,6 +65,10 @@ class TensorSpec:
     expert_dim: dimension that indexes experts in a fused expert tensor (gpt-oss), else None.
     tp_parts: for a fused tensor, its consecutive parts along ``tp_dim`` as (length, unit) pairs
         (Gated DeltaNet's q|k|v): each part is split on its own (``plan.shard_spans``).
+    keep_float32: held in float32 (``FLOAT32_BITS``) in every run dtype and group format, as
+        transformers' ``_keep_in_fp32_modules_strict`` and vLLM keep it (Kimi Linear's KDA
+        ``dt_bias``); the planner prices it at that (``perf.core``, ``ModelSpec.weight_bytes``), and
+        ``tests/test_planner_runtime_bytes.py`` holds the runtime's float32 parameters to these marks.
     """
 
     name: str
@@ -72,6 +80,7 @@ class TensorSpec:
     expert_dim: int | None = None
     tp_pad: bool = False
     tp_parts: tuple[tuple[int, int], ...] = ()
+    keep_float32: bool = False
 
     @property
     def numel(self) -> int:
@@ -163,8 +172,11 @@ def layer_norms(prefix: str, hidden: int) -> list[TensorSpec]:
 
 
 def tensor_bits(tensor: TensorSpec, formats_bits: dict[str, float]) -> float:
-    """Bits per weight ``tensor`` is stored at: its group's, except that the biases and 1-D
-    parameters of a group in a packed block format stay unpacked (``unpacked_key``)."""
+    """Bits per weight ``tensor`` is stored at: its group's, except that ``keep_float32`` tensors
+    take ``FLOAT32_BITS`` and the biases and 1-D parameters of a group in a packed block format
+    stay unpacked (``unpacked_key``)."""
+    if tensor.keep_float32:
+        return FLOAT32_BITS
     if tensor.is_matmul:
         return formats_bits[tensor.group]
     return formats_bits.get(unpacked_key(tensor.group), formats_bits[tensor.group])
