@@ -69,10 +69,13 @@ def test_chrome_trace_covers_every_layer_step_and_rank(traced):
     for (rank, step), e in steps.items():
         parts = [x for x in xs if x["pid"] == rank and x["cat"] != "step" and x["args"]["step"] == step]
         assert sum(x["dur"] for x in parts) == pytest.approx(e["dur"], abs=1 + 0.001 * e["dur"])
-    # and the traced decode steps account for the run's decode time (measured separately)
+    # and the traced decode steps account for the run's decode time (rank 0's, measured separately); a
+    # rank that entered its decode loop earlier spent the difference waiting inside its first step
     for rank in (0, 1):
-        traced_s = sum(e["dur"] for (r, _), e in decode.items() if r == rank) / 1e6
-        assert 0.8 * traced["doc"]["decode_s"] <= traced_s <= traced["doc"]["decode_s"] * 1.01 + 1e-3
+        mine = sorted((step, e["dur"] / 1e6) for (r, step), e in decode.items() if r == rank)
+        traced_s = sum(d for _, d in mine)
+        skew = 0.0 if rank == 0 else mine[0][1]
+        assert 0.8 * traced["doc"]["decode_s"] <= traced_s <= traced["doc"]["decode_s"] * 1.01 + 1e-3 + skew
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"rank 0", "rank 1"}
     # waiting is waiting for the last rank to arrive: at every collective both ranks' wait spans end
