@@ -1,10 +1,13 @@
-"""Helpers the runtime tests share: random reference weights, and a drafter that poisons what a
-rejected speculative draft left behind. Tests import them by name (``from runtime_checks import ...``)."""
+"""Helpers the runtime tests share: random reference weights, a drafter that poisons what a
+rejected speculative draft left behind, and a quantized checkpoint as the compressed-tensors library
+decompresses it. Tests import them by name (``from runtime_checks import ...``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 
 from shardwise.runtime.drafters import Drafter
@@ -24,6 +27,25 @@ def randomise(model: torch.nn.Module, special: Callable[[str, torch.Tensor], boo
                 t.copy_(0.1 * torch.randn_like(t))
             else:
                 t.copy_(0.08 * torch.randn_like(t))
+
+
+def library_and_reference(folder: Path, reference: Path) -> tuple[torch.nn.Module, dict, dict]:
+    """(model, its parameters, the reference's parameters): quantized checkpoint ``folder`` loaded by
+    transformers with the compressed-tensors library decompressing it, float32, and the float
+    ``reference`` checkpoint loaded plainly. Asserts the library left no tensor missing or unexpected
+    (a module we packed that its ignore/target matching kept float, or the reverse) and that both hold
+    the same parameter names."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True),
+        output_loading_info=True,
+    )
+    assert not any(info.values()), f"{folder}: {info}"
+    theirs = dict(hf.eval().named_parameters())
+    ours = dict(transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).named_parameters())
+    assert set(ours) == set(theirs)
+    return hf, theirs, ours
 
 
 class PoisonRejected(Drafter):

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import run_cli
+from runtime_checks import library_and_reference
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan
 from shardwise.perf.memory import rank_group_bytes
@@ -91,18 +92,8 @@ def test_compressed_tensors_reads_our_checkpoints(ckpts):
     checkpoints to our weights: it multiplies q by the scale in the scale's dtype (bfloat16), so
     its values are our exact q × scale rounded to bfloat16, bit for bit; unquantized tensors are
     identical. (Its logits therefore differ from the exact weights' by the bfloat16 rounding.)"""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("compressed_tensors")
     for key in ("llama_int8", "llama_int4", "qwen3_moe_int4"):
-        hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-            ckpts[key], dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True),
-            output_loading_info=True,
-        )
-        assert not any(info.values()), f"{key}: {info}"
-        theirs = dict(hf.eval().named_parameters())
-        reference = dict(transformers.AutoModelForCausalLM.from_pretrained(ckpts[key + "_ref"], dtype=torch.float32)
-                         .named_parameters())
-        assert set(reference) == set(theirs)
+        _, theirs, reference = library_and_reference(ckpts[key], ckpts[key + "_ref"])
         with safe_open(ckpts[key] / "model.safetensors", framework="pt") as f:
             packed = {k.removesuffix("_packed") for k in f.keys() if k.endswith(".weight_packed")}
         rounded = 0

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import run_cli
+from runtime_checks import library_and_reference
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, rank_param_counts, shard_shape
 from shardwise.quant.formats import get_format
@@ -159,20 +160,8 @@ def test_transformers_reads_our_gpt_oss_checkpoint(ckpts):
 def test_compressed_tensors_reads_our_checkpoints(ckpts):
     """The compressed-tensors library (through transformers' loader) decompresses exactly the
     modules we packed, to our decoded weights bit for bit, and its model gives our logits."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("compressed_tensors")
     for key in ("qwen3_moe", "deepseek_v3"):
-        hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-            ckpts[key], dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True),
-            output_loading_info=True,
-        )
-        # a module we packed that the library's ignore/target matching kept float (or the reverse)
-        # would leave its weight missing and our weight_packed unexpected
-        assert not any(info.values()), f"{key}: {info}"
-        theirs = dict(hf.eval().named_parameters())
-        reference = dict(transformers.AutoModelForCausalLM.from_pretrained(ckpts[key + "_ref"], dtype=torch.float32)
-                         .named_parameters())
-        assert set(reference) == set(theirs)
+        hf, theirs, reference = library_and_reference(ckpts[key], ckpts[key + "_ref"])
         for name, t in theirs.items():  # MXFP4 values are exact in bf16: no tolerance
             assert torch.equal(t.float(), reference[name]), (key, name)
         with torch.no_grad():
