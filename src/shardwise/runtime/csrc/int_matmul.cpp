@@ -39,7 +39,8 @@ inline float scale_at(const void* s, bool bf16, int64_t i) {
 }
 
 #if defined(SHARDWISE_AVX512)
-// 16-lane vectors; two pairs of accumulators alternate over the 32-element chunks of a group.
+// 16-lane vectors. Within a group, independent partial sums over its 32-element chunks; a group's sum
+// times its scale goes into one of two sets of row accumulators, alternating by group.
 inline __m512 f8(const int8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))); }
 
 float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
@@ -75,6 +76,26 @@ float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a2), _mm512_add_ps(a1, a3))) + rest;
 }
 
+// 16 packed bytes (32 nibbles) widened to one byte per 32-bit lane.
+inline __m512i bytes16(const uint8_t* q) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))); }
+
+// acc += scale · the low (even elements) or high (odd elements) nibbles of w, as floats, times x.
+inline __m512 fma_low(__m512i w, __m512 lut, const float* x, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(x), acc);
+}
+inline __m512 fma_high(__m512i w, __m512 lut, const float* x, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut), _mm512_loadu_ps(x), acc);
+}
+
+// A group's sum t, times its scale, into a0 (even groups of the row) or a1 (odd ones).
+inline void add_group(__m512 sc, __m512 t, bool odd, __m512& a0, __m512& a1) {
+  if (odd) {
+    a1 = _mm512_fmadd_ps(sc, t, a1);
+  } else {
+    a0 = _mm512_fmadd_ps(sc, t, a0);
+  }
+}
+
 // xp: each 32-chunk of x as its 16 even then its 16 odd elements (the nibble order). A nibble becomes
 // its float value (nibble - 8) through a 16-entry table (vpermps reads the low 4 bits of each index).
 float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
@@ -82,15 +103,9 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   if (group == 32) {  // one 32-element chunk per scale: no per-group sums of partial chains
     for (int64_t k = 0, gi = s0; k < K; k += 32, ++gi) {
-      __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
-      __m512 t = _mm512_mul_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(xp + k));
-      t = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut), _mm512_loadu_ps(xp + k + 16), t);
-      __m512 sc = _mm512_set1_ps(scale_at(s, bf16, gi));
-      if ((gi - s0) & 1) {
-        a1 = _mm512_fmadd_ps(sc, t, a1);
-      } else {
-        a0 = _mm512_fmadd_ps(sc, t, a0);
-      }
+      __m512i w = bytes16(q + k / 2);
+      __m512 t = fma_high(w, lut, xp + k + 16, _mm512_mul_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(xp + k)));
+      add_group(_mm512_set1_ps(scale_at(s, bf16, gi)), t, (gi - s0) & 1, a0, a1);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
   }
@@ -98,25 +113,19 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
     __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;  // four independent chains
     int64_t k = g0;
     for (; k + 64 <= g0 + group; k += 64) {
-      __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
-      __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2 + 16)));
-      t0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(xp + k), t0);
-      t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut), _mm512_loadu_ps(xp + k + 16), t1);
-      t2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, lut), _mm512_loadu_ps(xp + k + 32), t2);
-      t3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), _mm512_loadu_ps(xp + k + 48), t3);
+      __m512i w = bytes16(q + k / 2), v = bytes16(q + k / 2 + 16);
+      t0 = fma_low(w, lut, xp + k, t0);
+      t1 = fma_high(w, lut, xp + k + 16, t1);
+      t2 = fma_low(v, lut, xp + k + 32, t2);
+      t3 = fma_high(v, lut, xp + k + 48, t3);
     }
     if (k < g0 + group) {  // a last 32-element chunk
-      __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
-      t0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(xp + k), t0);
-      t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut), _mm512_loadu_ps(xp + k + 16), t1);
+      __m512i w = bytes16(q + k / 2);
+      t0 = fma_low(w, lut, xp + k, t0);
+      t1 = fma_high(w, lut, xp + k + 16, t1);
     }
     __m512 t = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
-    __m512 sc = _mm512_set1_ps(scale_at(s, bf16, gi));
-    if ((gi - s0) & 1) {
-      a1 = _mm512_fmadd_ps(sc, t, a1);
-    } else {
-      a0 = _mm512_fmadd_ps(sc, t, a0);
-    }
+    add_group(_mm512_set1_ps(scale_at(s, bf16, gi)), t, (gi - s0) & 1, a0, a1);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
