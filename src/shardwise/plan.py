@@ -147,16 +147,16 @@ def validate_plan(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, st
         raise ShardwiseError(
             f"rank order {list(plan.rank_order)} must be a permutation of 0..{plan.world_size - 1}"
         )
-    _check_expert_blocks(model, plan, formats if formats is not None else model.group_formats())
+    _check_packed_blocks(model, plan, formats if formats is not None else model.group_formats())
 
 
-def _check_expert_blocks(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, str]) -> None:
+def _check_packed_blocks(model: ModelSpec, plan: ParallelPlan, formats: Mapping[str, str]) -> None:
     """Weights in a 1-D block format that stay packed (routed experts; every group held as
     weight-only int): a rank's slice of their inputs must hold whole blocks (groups)."""
     for tensor in model.distinct_tensors:
         fmt = get_format(formats.get(tensor.group, model.dtype))
         routed = tensor.is_routed and model.moe is not None and plan.etp > 1
-        if not fmt.packed or not (routed or (fmt.name.startswith("int") and not tensor.is_routed and plan.tp > 1)):
+        if not fmt.packed or not (routed or (fmt.weight_only_int and not tensor.is_routed and plan.tp > 1)):
             continue
         if len(tensor.shape) - (tensor.expert_dim is not None) < 2:
             continue

@@ -102,11 +102,11 @@ def _hardware(sc: Scenario, rings: dict | None) -> Hardware:
 
 def formats_bits(formats: dict[str, str]) -> dict[str, float]:
     """Bits per weight per tensor group from the codec-backed format registry; for a group in a
-    packed block format also the bits its biases and 1-D parameters keep (``unpacked_key``): the
+    weights-only format (block formats, int8/int4) also the bits its biases and 1-D parameters keep (``unpacked_key``): the
     model's unquantized dtype, the embedding's format (no scheme quantizes the embedding)."""
     bits = {g: get_format(f).bits_per_weight for g, f in formats.items()}
     for g, f in formats.items():
-        if get_format(f).packed or f == "int8":  # int8 per channel: weights only, as the block formats
+        if get_format(f).weights_only:
             bits[unpacked_key(g)] = bits[EMBEDDING]
     return bits
 

@@ -36,6 +36,18 @@ class QuantFormat:
         stays packed in memory; fp8's 128×128 tiles are decoded at load."""
         return self.block_size is not None and self.block_size <= PACKED_BLOCK_MAX
 
+    @property
+    def weight_only_int(self) -> bool:
+        """True for the weight-only integer formats the runtime keeps packed in every group it
+        quantizes (``runtime.int_matmul``; compressed-tensors pack-quantized)."""
+        return self.name.startswith("int")
+
+    @property
+    def weights_only(self) -> bool:
+        """True when a scheme in this format quantizes matmul weights only: the group's biases and
+        1-D parameters keep the float dtype (the packed block formats and the int formats)."""
+        return self.packed or self.weight_only_int
+
     def weight_bytes(self, params: int) -> float:
         """Bytes to store params weights in this format."""
         return params * self.bits_per_weight / 8

@@ -238,19 +238,24 @@ def read_packed(
     return ckpt.read(name, tuple(index))
 
 
+def _decode_packed(quant: Quantization, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A packed weight's stored halves (MXFP4 blocks or int words, and their scales) as float32."""
+    if quant.is_int:
+        return int_decode(blocks, scales, quant.bits)
+    return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)
+
+
 def read_shard(spec: ModelSpec, plan: ParallelPlan, tp_rank: int, tensor: TensorSpec, ckpt: Checkpoint, expert: int | None = None) -> torch.Tensor:
     """This rank's slice of ``tensor`` (one expert's for templates), in the (out, in) layout.
 
-    A weight stored packed (MXFP4) is read as its packed slices and decoded to float32.
+    A weight stored packed (MXFP4, int) is read as its packed slices and decoded to float32.
     """
     quant = quantization(spec)
     if quant.packed(tensor, expert):
         blocks = read_packed(plan, tp_rank, tensor, ckpt, quant, BLOCKS, expert)
         scales = read_packed(plan, tp_rank, tensor, ckpt, quant, SCALES, expert)
-        if quant.is_int:
-            return int_decode(blocks, scales, quant.bits)
-        inner = _block_cut(tensor, plan, tp_rank)[1]
-        return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)[..., inner].contiguous()
+        inner = slice(None) if quant.is_int else _block_cut(tensor, plan, tp_rank)[1]  # int cuts are exact
+        return _decode_packed(quant, blocks, scales)[..., inner].contiguous()
     src = sources(spec, tensor, ckpt, expert)
     cut = shard_slice(tensor, plan, tp_rank)
     if src.transposed:  # gpt-oss fused experts stored [E, in, out]
@@ -290,10 +295,7 @@ def read_spans(spec: ModelSpec, tensor: TensorSpec, ckpt: Checkpoint, spans: lis
     if quant.packed(tensor):
         if tensor.tp_dim != 0:
             raise ShardwiseError(f"{tensor.name}: a packed fused tensor must be split by rows (tp_dim 0)")
-        blocks, scales = read_packed_spans(tensor, ckpt, quant, spans)
-        if quant.is_int:
-            return int_decode(blocks, scales, quant.bits)
-        return decode(blocks.reshape(*scales.shape, -1), scales, torch.float32)
+        return _decode_packed(quant, *read_packed_spans(tensor, ckpt, quant, spans))
     src = sources(spec, tensor, ckpt)
     lead = (slice(None),) * tensor.tp_dim
     return torch.cat([ckpt.read(src.name, lead + (slice(a, b),)) for a, b in spans], dim=tensor.tp_dim)

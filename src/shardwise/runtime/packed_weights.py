@@ -31,6 +31,7 @@ import fnmatch
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -84,16 +85,21 @@ class Quantization:
         """True for weight-only int8/int4 (``pack-quantized``)."""
         return self.layout == LAYOUT_CT_INT
 
+    @cached_property
+    def _int_scheme(self) -> tuple[int, int | None]:
+        """(bits, group size or None per channel) of an int layout, read from the config once."""
+        return int_scheme(self.config)
+
     @property
     def bits(self) -> int:
         """Bits per stored element: 4 (MXFP4, int4) or 8."""
-        return int_scheme(self.config)[0] if self.is_int else 4
+        return self._int_scheme[0] if self.is_int else 4
 
     def group(self, in_features: int) -> int:
         """Inputs sharing one scale: the int group size (``in_features`` per channel), or 32 (MXFP4)."""
         if not self.is_int:
             return BLOCK_SIZE
-        return int_scheme(self.config)[1] or in_features
+        return self._int_scheme[1] or in_features
 
     def packed(self, tensor: TensorSpec, expert: int | None = None) -> bool:
         """True when ``tensor`` (expert ``expert`` of a template) is stored as blocks + scales."""
@@ -135,7 +141,7 @@ class Quantization:
         if self.layout == LAYOUT_GPT_OSS:
             return "uint8 [E, out, in/32, 16]" if part == BLOCKS else "uint8 [E, out, in/32]"
         if self.is_int:
-            group = int_scheme(self.config)[1]
+            group = self._int_scheme[1]
             return f"int32 [out, in*{self.bits}/32]" if part == BLOCKS else f"float [out, {f'in/{group}' if group else 1}]"
         return "uint8 [out, in/2]" if part == BLOCKS else "uint8 [out, in/32]"
 
@@ -151,7 +157,7 @@ class Quantization:
         if self.is_int:
             if part == BLOCKS:
                 return 32 // self.bits
-            return int_scheme(self.config)[1] or 0
+            return self._int_scheme[1] or 0
         if part == SCALES or self.layout == LAYOUT_GPT_OSS:
             return BLOCK_SIZE
         return 2

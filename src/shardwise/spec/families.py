@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardwise.errors import ShardwiseError, shown
-from shardwise.spec.config_fields import Config, check_fields  # noqa: F401  (parse reads them here)
+from shardwise.spec.config_fields import Config, check_fields
 from shardwise.spec.mixers import (
     LinearAttentionSpec,
     MLASpec,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from shardwise.quant.formats import get_format
 from shardwise.spec.mixers import MIXERS, STATE_BYTES, LinearAttentionSpec, MLASpec, Mixer
 from shardwise.spec.tensors import (  # noqa: F401  (the tensor vocabulary, re-exported)
     ATTENTION,
@@ -237,7 +238,7 @@ class ModelSpec:
         formats = {g: "fp32" if g in self.float32_groups else dtype for g in TENSOR_GROUPS}
         if self.quant_formats.get(ROUTED_EXPERTS) == "mxfp4":
             formats[ROUTED_EXPERTS] = "mxfp4"
-        formats.update({g: f for g, f in self.quant_formats.items() if f.startswith("int")})
+        formats.update({g: f for g, f in self.quant_formats.items() if get_format(f).weight_only_int})
         return formats
 
     # ---- cache (one sequence, tp = 1; per-rank figures: shardwise.perf.core) --------------

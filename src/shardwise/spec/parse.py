@@ -16,7 +16,8 @@ from typing import Any
 from shardwise.errors import ShardwiseError, shown, unknown_name
 from shardwise.quant.formats import FORMATS
 from shardwise.quant.layouts import int_scheme
-from shardwise.spec.families import BUILDERS, Config, check_fields
+from shardwise.spec.config_fields import Config, check_fields
+from shardwise.spec.families import BUILDERS
 from shardwise.spec.model import ModelSpec
 from shardwise.spec.tensors import (
     ATTENTION,
