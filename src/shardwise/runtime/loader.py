@@ -331,7 +331,8 @@ def load_int_weight(model: torch.nn.Module, name: str, param: torch.nn.Parameter
 
 
 def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -> None:
-    """Fill every parameter of a ``ShardedCausalLM`` with its slice from checkpoint ``folder``."""
+    """Fill every parameter of a ``ShardedCausalLM`` with its slice from checkpoint ``folder``, then
+    stack the weights of projections that share an input (``ShardedCausalLM.stack_projections``)."""
     spec, plan, tp_rank = model.spec, model.plan, model.shard.tp_rank
     quant = quantization(spec)
     with Checkpoint(folder) as ckpt:
@@ -362,6 +363,7 @@ def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -
                 if rows is not None:
                     param.zero_()  # padding rows past the vocabulary stay zero
                 target.copy_(data)
+    model.stack_projections()
 
 
 def load_spec(folder: str | Path) -> ModelSpec:

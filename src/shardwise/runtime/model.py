@@ -305,6 +305,13 @@ class ShardedCausalLM(nn.Module):
         positions = torch.arange(start, start + n)
         return self._run(ids, positions, self.rotary(positions, self.dtype), None)
 
+    def stack_projections(self) -> None:
+        """Once the weights are loaded: projections of the same input (q|k|v, gate|up) that can share
+        one product get their weights stacked (``layers.stack_weights``)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "stack_projections"):
+                module.stack_projections()
+
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
              slots: list[int] | None) -> torch.Tensor:
         """Embedding, the layers and the final norm of ``ids`` at ``positions`` (in ``slots``)."""

@@ -28,7 +28,15 @@ from torch import nn
 
 from shardwise.plan import local_experts
 from shardwise.quant.layouts import BYTES_PER_BLOCK
-from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, linear, shard_param
+from shardwise.runtime.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Shard,
+    linear,
+    shard_param,
+    stack_weights,
+    stacked_linear,
+)
 from shardwise.runtime.mxfp4_matmul import mxfp4_matmul
 from shardwise.runtime.packed_weights import BLOCKS, NONE, SCALES, Quantization, packed_param
 from shardwise.spec.model import MoESpec, TensorSpec
@@ -42,9 +50,15 @@ class DenseMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(tensors["gate_proj.weight"], shard, dtype)
         self.up_proj = ColumnParallelLinear(tensors["up_proj.weight"], shard, dtype)
         self.down_proj = RowParallelLinear(tensors["down_proj.weight"], shard, dtype)
+        self.stack = None  # gate|up weights in one tensor once loaded (stack_projections)
+
+    def stack_projections(self) -> None:
+        """Run gate and up as one product over their stacked weights (``layers.stack_weights``)."""
+        self.stack = stack_weights(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = stacked_linear(x, self.stack, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class ExpertLinear(nn.Module):
@@ -82,10 +96,17 @@ class Expert(nn.Module):
         self.parts = next(names for names in EXPERT_NAMES if f"{names[0]}.weight" in tensors)
         for name in self.parts:
             setattr(self, name, ExpertLinear(tensors[f"{name}.weight"], e, shard, dtype, quant))
+        self.stack = None  # gate|up weights in one tensor once loaded (stack_projections)
+
+    def stack_projections(self) -> None:
+        """Run gate and up as one product over their stacked float weights (``layers.stack_weights``;
+        MXFP4 experts keep their blocks)."""
+        self.stack = stack_weights(*(getattr(self, name) for name in self.parts[:2]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (getattr(self, name) for name in self.parts)
-        return down(F.silu(gate(x)) * up(x))
+        gate_proj, up_proj, down = (getattr(self, name) for name in self.parts)
+        gate, up = stacked_linear(x, self.stack, (gate_proj, up_proj))
+        return down(F.silu(gate) * up)
 
 
 class Router(nn.Module):

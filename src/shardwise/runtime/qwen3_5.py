@@ -31,6 +31,8 @@ from shardwise.runtime.layers import (
     allreduce,
     apply_rotary,
     rope_parameters,
+    stack_weights,
+    stacked_linear,
 )
 from shardwise.runtime.moe import DenseMLP, SparseMoE
 from shardwise.runtime.packed_weights import NONE, Quantization, quantization
@@ -74,9 +76,14 @@ class GatedAttention(nn.Module):
         self.heads = self.q_proj.weight.shape[0] // (head_dim * (2 if gated else 1))
         self.kv_heads = self.k_proj.weight.shape[0] // head_dim
         self.scaling = head_dim**-0.5
+        self.stack = None  # q|k|v weights in one tensor once loaded (stack_projections)
         cache_shape = (max_batch, self.kv_heads, max_seq_len, head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
+
+    def stack_projections(self) -> None:
+        """Run q (with its gate), k and v as one product over their stacked weights."""
+        self.stack = stack_weights(self.q_proj, self.k_proj, self.v_proj)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
@@ -90,14 +97,15 @@ class GatedAttention(nn.Module):
         ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, rotary/2]),
         each row's cache write and attention alone (``attention.per_slot``)."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, -1)
+        q, k, v = stacked_linear(x, self.stack, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(b, n, self.heads, -1)
         gate = None
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(b, n, -1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(k.view(b, n, self.kv_heads, self.head_dim))
+        v = v.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q = self._rotate(q.transpose(1, 2), cos, sin)
         k = self._rotate(k.transpose(1, 2), cos, sin)
