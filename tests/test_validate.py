@@ -133,3 +133,25 @@ def test_cross_validation_never_fits_on_the_row_it_predicts(tmp_path):
     assert by_id[victim["id"]]["cv_predicted_tok_per_s"] == victim["cv_predicted_tok_per_s"]
     others = [r for r in scored if r["profile"] == "vllm" and r["id"] != victim["id"]]
     assert any(by_id[r["id"]]["cv_predicted_tok_per_s"] != r["cv_predicted_tok_per_s"] for r in others)
+
+
+def test_layer_overhead_scales_with_the_layer_count_not_the_bytes():
+    """The per-layer launch term: a step pays ``layer_overhead_s`` once per decoder layer on top of
+    ``step_overhead_s``, whatever the layer's bytes; so a 32-layer model pays 32 of it and an
+    80-layer one 80, and removing the term removes exactly that time from the step."""
+    from shardwise.perf.estimate import decode_speed
+    from shardwise.perf.profiles import get_profile
+    from shardwise.perf.validate import scenario_of
+
+    by_id = {m.id: resolve(m) for m in read_measurements(DEFAULT_CSV)}
+    base = get_profile("llama-cpp")
+    assert base.layer_overhead_s > 0  # the fit finds one: per-step time that scales with layers
+    for row_id in ("24", "142"):  # llama-2-7b (32 layers) and llama-2-70b (80 layers) on an A100
+        row = by_id[row_id]
+        with_term = decode_speed(scenario_of(row, replace(base, step_overhead_s=0.002, layer_overhead_s=1e-4)))[1]
+        without = decode_speed(scenario_of(row, replace(base, step_overhead_s=0.002, layer_overhead_s=0.0)))[1]
+        layers = row.model.num_layers
+        assert layers == {"24": 32, "142": 80}[row_id]
+        assert with_term.overhead_s == pytest.approx(0.002 + layers * 1e-4)
+        assert with_term.total_s - without.total_s == pytest.approx(layers * 1e-4)
+        assert with_term.layers_s == without.layers_s and with_term.bytes_busiest == without.bytes_busiest

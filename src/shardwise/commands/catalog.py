@@ -38,8 +38,8 @@ def catalog_document() -> dict:
     formats = [{"name": f.name, "bits_per_weight": f.bits_per_weight, "source": f.source} for f in FORMATS.values()]
     profiles = [
         {"name": p.name, "mem_efficiency": p.mem_efficiency, "compute_efficiency": p.compute_efficiency,
-         "step_overhead_s": p.step_overhead_s, "collective_overhead_s": p.collective_overhead_s,
-         "tcp_message_overhead_s": p.tcp_message_overhead_s, "source": p.source}
+         "step_overhead_s": p.step_overhead_s, "layer_overhead_s": p.layer_overhead_s,
+         "collective_overhead_s": p.collective_overhead_s, "tcp_message_overhead_s": p.tcp_message_overhead_s, "source": p.source}
         for p in load_profiles().values()
     ]
     return {"models": models, "boxes": boxes, "links": links, "formats": formats, "profiles": profiles}
@@ -90,10 +90,11 @@ def register(app: typer.Typer) -> None:
             t.add_row(f["name"], f"{f['bits_per_weight']:.3f}", f["source"])
         con.print(t)
         t = Table(title="Runtime profiles")
-        for c in ("name", "mem eff", "compute eff", "step ms", "per-collective us", "TCP per-message us", "source"):
+        for c in ("name", "mem eff", "compute eff", "step ms", "per-layer us", "per-collective us", "TCP per-message us", "source"):
             t.add_column(c)
         for p in doc["profiles"]:
             t.add_row(p["name"], f"{p['mem_efficiency']:.3f}", f"{p['compute_efficiency']:.1f}",
-                      f"{p['step_overhead_s'] * 1e3:.2f}", f"{p['collective_overhead_s'] * 1e6:.0f}",
+                      f"{p['step_overhead_s'] * 1e3:.2f}", f"{p['layer_overhead_s'] * 1e6:.0f}",
+                      f"{p['collective_overhead_s'] * 1e6:.0f}",
                       f"{p['tcp_message_overhead_s'] * 1e6:.0f}", p["source"])
         con.print(t)

@@ -3,8 +3,10 @@
 ``python -m shardwise.perf.calibrate [CSV]`` fits, per profile (vllm, llama-cpp, mlx), on the
 rows of ``data/measurements.csv`` whose software maps to it, minimising the median absolute
 percentage error of decode tok/s by grid search:
-1. ``mem_efficiency`` × ``step_overhead_s`` × ``collective_overhead_s`` jointly (the last only
-   where the profile has rows over a network link; else 0);
+1. ``mem_efficiency`` × ``step_overhead_s`` × ``collective_overhead_s`` × ``layer_overhead_s``
+   jointly (the collective overhead only where the profile has rows over a network link; else 0);
+   every parameter on a bounded physical grid: 30-100% of peak bandwidth, 0-8 ms per step, 0-250 us
+   per collective, 0-200 us per layer;
 2. ``compute_efficiency`` on the rows' prefill tok/s.
 It rewrites ``spec/catalog/profiles.toml`` with the fitted values, the row count and the fit's
 median APE. A test re-runs the fit and checks the stored values, so nobody tunes them by hand.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardwise.perf.decode import layout_table, step_terms
+from shardwise.perf.decode import layout_table, overhead_seconds, step_terms
 from shardwise.perf.estimate import decode_speed, formats_bits, hardware_of, prefill_speed
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.perf.measurements import ResolvedRow, read_measurements, resolve
@@ -31,45 +33,48 @@ FITTED = ("vllm", "llama-cpp", "mlx")
 MEM_EFFICIENCY_GRID = np.round(0.3 + 0.025 * np.arange(29), 3)
 STEP_OVERHEAD_GRID_S = np.array([0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 3e-3, 5e-3, 8e-3])
 COLLECTIVE_OVERHEAD_GRID_S = np.array([0, 5, 10, 20, 30, 40, 60, 80, 100, 130, 160, 200, 250]) * 1e-6
+LAYER_OVERHEAD_GRID_S = np.array([0, 5, 10, 20, 30, 50, 75, 100, 150, 200]) * 1e-6
 COMPUTE_EFFICIENCY_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))
 DEFAULT_CSV = Path(__file__).resolve().parents[3] / "data" / "measurements.csv"
 
 
 def _row_terms(row: ResolvedRow, profile: RuntimeProfile):
-    """(terms of the step that yields tokens, tokens per step, network link?) for one row."""
+    """(terms of the step that yields tokens, tokens per step, network link?, decoder layers) for one row."""
     sc = scenario_of(row, profile)
     hw = hardware_of(sc.box, sc.link, sc.profile)
     table = layout_table(sc.model, sc.plan, formats_bits(sc.formats), sc.kv_bytes)
     positions = sc.spec_tokens + 1
     tokens = tokens_per_step(sc.spec_tokens, sc.acceptance) if sc.spec_tokens else 1.0
     terms = step_terms(sc.model, table, hw, sc.context_tokens, positions, allreduce=profile.allreduce)
-    return terms, tokens, hw.network
+    return terms, tokens, hw.network, len(terms.memory_s) - 1  # the LM head is the last column
 
 
 def _ape_grid(rows: list[ResolvedRow], prior: RuntimeProfile) -> np.ndarray:
-    """APE (%) of every row on the grid mem_eff x step_overhead x collective_overhead: [rows, E, O, K]."""
+    """APE (%) of every row on the grid mem_eff x step_overhead x collective_overhead x layer_overhead:
+    [rows, E, O, K, L]."""
     out = []
     for r in rows:
-        terms, tokens, network = _row_terms(r, prior)
+        terms, tokens, network, layers = _row_terms(r, prior)
         comp = terms.compute_s / prior.compute_efficiency
         layers_s = np.maximum(terms.memory_s[None, :] / MEM_EFFICIENCY_GRID[:, None], comp[None, :]).sum(axis=1)
         coll = terms.collective_s + terms.collectives * COLLECTIVE_OVERHEAD_GRID_S * (1.0 if network else 0.0)
-        step = layers_s[:, None, None] + STEP_OVERHEAD_GRID_S[None, :, None] + coll[None, None, :]
+        overhead = overhead_seconds(STEP_OVERHEAD_GRID_S[:, None], LAYER_OVERHEAD_GRID_S[None, :], layers)
+        step = layers_s[:, None, None, None] + overhead[None, :, None, :] + coll[None, None, :, None]
         out.append(np.abs(tokens / step - r.measurement.decode_tok_s) / r.measurement.decode_tok_s * 100)
     return np.stack(out)
 
 
 def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfile:
-    """Fit ``prior``'s factors on ``rows``: a joint grid over memory efficiency, step overhead and
-    per-collective overhead minimising the median APE of decode tok/s (ties to the earliest grid
+    """Fit ``prior``'s factors on ``rows``: a joint grid over memory efficiency, step overhead,
+    per-collective overhead and per-layer overhead minimising the median APE of decode tok/s (ties to the earliest grid
     point), then compute efficiency on the rows' prefill tok/s."""
     grid = np.median(_ape_grid(rows, prior), axis=0)
     if not any(r.plan.world_size > 1 and _row_terms(r, prior)[2] for r in rows):
         grid = grid[:, :, :1]  # no network row: the per-call overhead is not identifiable, keep 0
-    e, o, k = np.unravel_index(np.argmin(grid), grid.shape)
+    e, o, k, n = np.unravel_index(np.argmin(grid), grid.shape)
     best = replace(
         prior, mem_efficiency=float(MEM_EFFICIENCY_GRID[e]), step_overhead_s=float(STEP_OVERHEAD_GRID_S[o]),
-        collective_overhead_s=float(COLLECTIVE_OVERHEAD_GRID_S[k]),
+        collective_overhead_s=float(COLLECTIVE_OVERHEAD_GRID_S[k]), layer_overhead_s=float(LAYER_OVERHEAD_GRID_S[n]),
     )
     prefill_rows = [r for r in rows if r.measurement.prefill_tok_s and r.measurement.prompt_tokens]
     if prefill_rows:
@@ -148,6 +153,7 @@ def render_profiles(profiles: dict[str, RuntimeProfile], csv_name: str) -> str:
             f"compute_efficiency = {p.compute_efficiency!r}",
             f"step_overhead_s = {p.step_overhead_s!r}",
             f"collective_overhead_s = {p.collective_overhead_s!r}",
+            f"layer_overhead_s = {p.layer_overhead_s!r}",
             f"allreduce = {_toml_value(list(p.allreduce))}",
         ]
         if p.tcp_message_overhead_s:
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     Path(str(target)).write_text(render_profiles(fitted, "data/measurements.csv"))
     for p in fitted.values():
         print(f"{p.name:10s} mem {p.mem_efficiency:.3f} compute {p.compute_efficiency:.1f} "
-              f"step {p.step_overhead_s * 1e3:.2f} ms coll {p.collective_overhead_s * 1e6:.0f} us "
+              f"step {p.step_overhead_s * 1e3:.2f} ms layer {p.layer_overhead_s * 1e6:.0f} us "
+              f"coll {p.collective_overhead_s * 1e6:.0f} us "
               f"rows {p.fitted_rows} median APE {p.fit_median_ape}")
 
 

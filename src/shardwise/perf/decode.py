@@ -5,7 +5,8 @@
 efficiency; ``apply_profile`` scales them by a runtime profile's efficiencies and adds its
 overheads. Per layer and rank: ``t = max(bytes / (BW·eff_mem), flops / (peak·eff_compute))``;
 the layer ends when the busiest rank (the one holding the most picked experts) finishes, and
-the step adds its collectives and the host's per-step overhead.
+the step adds its collectives, the host's per-step overhead and the per-layer launch overhead
+(``overhead_s``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def step_cost(
     compute_efficiency: float = 1.0,
     step_overhead_s: float = 0.0,
     collective_overhead_s: float = 0.0,
+    layer_overhead_s: float = 0.0,
     allreduce: tuple[str, ...] = ALL_ALGORITHMS,
     busiest_experts: bool = True,
     batch: int = 1,
@@ -125,7 +127,15 @@ def step_cost(
     """
     terms = step_terms(model, table, hw, context_tokens, positions, allreduce=allreduce,
                        busiest_experts=busiest_experts, batch=batch)
-    return apply_profile(terms, mem_efficiency, compute_efficiency, step_overhead_s, collective_overhead_s, hw)
+    return apply_profile(terms, mem_efficiency, compute_efficiency, step_overhead_s, collective_overhead_s, hw,
+                         layer_overhead_s=layer_overhead_s)
+
+
+def overhead_seconds(step_overhead_s, layer_overhead_s, layers):
+    """Host and launch seconds of one step: ``step_overhead_s`` plus ``layer_overhead_s`` for each of
+    the ``layers`` decoder layers it runs (all stages': at batch 1 a pipeline runs them one after
+    another). Scalars or numpy arrays (the sweep's grid)."""
+    return step_overhead_s + layer_overhead_s * layers
 
 
 def apply_profile(
@@ -136,10 +146,12 @@ def apply_profile(
     collective_overhead_s: float,
     hw: Hardware,
     *,
+    layer_overhead_s: float = 0.0,
     include_compute: bool = True,
     include_network: bool = True,
 ) -> StepCost:
-    """Scale a step's terms by a profile's efficiencies and add its overheads
+    """Scale a step's terms by a profile's efficiencies and add its overheads: ``step_overhead_s``
+    once and ``layer_overhead_s`` per decoder layer (``overhead_s``; see ``overhead_seconds``)
     (``include_compute`` / ``include_network`` False: leave that term out, for the waterfall)."""
     mem = terms.memory_s / mem_efficiency
     comp = terms.compute_s / compute_efficiency if include_compute else np.zeros_like(mem)
@@ -150,7 +162,8 @@ def apply_profile(
         collective_s = terms.collective_s + terms.collectives * per_call
     return StepCost(
         positions=terms.positions, memory_s=float(mem.sum()), compute_s=float(comp.sum()),
-        layers_s=float(per_layer.sum()), collective_s=collective_s, overhead_s=step_overhead_s,
+        layers_s=float(per_layer.sum()), collective_s=collective_s,
+        overhead_s=overhead_seconds(step_overhead_s, layer_overhead_s, len(mem) - 1),
         bytes_busiest=terms.bytes_busiest, flops_busiest=terms.flops_busiest,
         experts_busiest=terms.experts_busiest, experts_average=terms.experts_average,
         allreduce_algorithm=terms.allreduce_algorithm, allreduce_s=terms.allreduce_s,

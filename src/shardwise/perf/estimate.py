@@ -120,6 +120,7 @@ def profile_kwargs(profile: RuntimeProfile) -> dict:
     return dict(
         mem_efficiency=profile.mem_efficiency, compute_efficiency=profile.compute_efficiency,
         collective_overhead_s=profile.collective_overhead_s, step_overhead_s=profile.step_overhead_s,
+        layer_overhead_s=profile.layer_overhead_s,
         allreduce=profile.allreduce,
     )
 
@@ -242,7 +243,9 @@ def estimate(sc: Scenario, curve: bool = False) -> dict:
                                   f"socket path on TCP)" if sc.link.kind == "tcp" and prof.tcp_message_overhead_s else "")
                                + (f" + {prof.collective_overhead_s * 1e6:.0f} us software per call" if hw.network else "")})
     steps.append({"step": "host overhead", "tok_per_s": _tok(plain),
-                  "cause": f"{prof.step_overhead_s * 1e3:.2f} ms per step (launches, sampling, scheduling)"})
+                  "cause": f"{plain.overhead_s * 1e3:.2f} ms per step: {prof.step_overhead_s * 1e3:.2f} ms (sampling, "
+                           f"scheduling) + {prof.layer_overhead_s * 1e6:.0f} us per layer (kernel launches) "
+                           f"x {m.num_layers} layers"})
     spec = None
     drafting_s = 0.0
     if sc.spec_tokens:

@@ -3,7 +3,10 @@
 Pure rooflines over-predict real systems by 1.5–3×. Each profile keeps its factors explicit:
 - ``mem_efficiency``: fraction of the box's peak memory bandwidth achieved on weight reads;
 - ``compute_efficiency``: fraction of peak matmul throughput achieved;
-- ``step_overhead_s``: host time per decode step (kernel launches, sampling, scheduling), seconds;
+- ``step_overhead_s``: host time per decode step (sampling, scheduling, the step's fixed launches), seconds;
+- ``layer_overhead_s``: time per decoder layer per step that scales with the layer count, not
+  bytes: the launches and synchronisations of the layer's kernels (a graph-captured GPU runtime
+  pays little, an eager or Metal/Vulkan one more), seconds per layer;
 - ``collective_overhead_s``: software time per collective on top of the link's α, seconds;
 - ``tcp_message_overhead_s``: extra time per message (every ring/tree step) on a TCP link for a
   runtime whose tensors sit in accelerator memory: the host bounce buffers and proxy-thread
@@ -37,6 +40,7 @@ class RuntimeProfile:
     step_overhead_s: float
     collective_overhead_s: float
     allreduce: tuple[str, ...]
+    layer_overhead_s: float = 0.0
     tcp_message_overhead_s: float = 0.0
     source_tcp_message_overhead_s: str = ""
     fitted_rows: int = 0
@@ -60,6 +64,7 @@ def load_profiles() -> dict[str, RuntimeProfile]:
                 step_overhead_s=float(entry["step_overhead_s"]),
                 collective_overhead_s=float(entry["collective_overhead_s"]),
                 allreduce=tuple(entry["allreduce"]),
+                layer_overhead_s=float(entry.get("layer_overhead_s", 0.0)),
                 tcp_message_overhead_s=float(entry.get("tcp_message_overhead_s", 0.0)),
                 source_tcp_message_overhead_s=entry.get("source_tcp_message_overhead_s", ""),
                 fitted_rows=int(entry.get("fitted_rows", 0)),
