@@ -194,6 +194,28 @@ def test_kernel_rows_do_not_depend_on_the_batch(ckpts):
         assert torch.allclose(weight(x).double(), exact, rtol=1e-5, atol=1e-5)
 
 
+def test_stacked_projections_equal_their_parts(ckpts):
+    """Loading stacks q|k|v and gate|up (``layers.stack_weights``): int weights into one IntWeight whose
+    rows are the parts' (each part now a view of its rows, nothing held twice), float weights into one
+    tensor. The kernel sums each weight row alone, so the stack's product equals the parts' products
+    side by side bit for bit, whichever rows are blocked together."""
+    torch.manual_seed(1)
+    for key in ("llama_int8", "llama_int4", "llama_float"):
+        model = _model(ckpts[key])
+        layer = model.model.layers[0]
+        for block, parts in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+            linears = [getattr(block, name) for name in parts]
+            stack = block.stack.weight
+            x = torch.randn(3, linears[0].weight.in_features if key != "llama_float" else stack.shape[1])
+            if key == "llama_float":
+                assert torch.equal(stack, torch.cat([m.weight for m in linears]))
+                assert linears[0].weight.data_ptr() == stack.data_ptr()
+                continue
+            assert isinstance(stack, IntWeight) and stack.q.data_ptr() == linears[0].weight.q.data_ptr()
+            assert torch.equal(stack(x), torch.cat([m.weight(x) for m in linears], dim=-1)), (key, parts)
+            assert block.stack.rows == tuple(m.weight.q.shape[0] for m in linears)
+
+
 def test_speculative_equals_plain_on_int_weights(ckpts):
     for key in ("llama_int4", "qwen3_5_int8"):
         model = _model(ckpts[key])

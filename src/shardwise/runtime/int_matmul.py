@@ -124,6 +124,22 @@ class IntWeight(nn.Module):
             int_codec.check_scheme(bits, group, in_features)
         return cls(q.contiguous(), scale.contiguous(), bits, group)
 
+    @classmethod
+    def stack(cls, parts: list[IntWeight]) -> IntWeight | None:
+        """One IntWeight whose rows are ``parts``' rows in order (their q and scales concatenated);
+        each part's ``q`` and ``scale`` become views of its rows, so nothing is held twice. None when
+        the parts' bits, groups, input widths or scale dtypes differ."""
+        if len({(p.bits, p.group, p.in_features, p.scale.dtype) for p in parts}) != 1:
+            return None
+        q = torch.cat([p.q.detach() for p in parts])
+        scale = torch.cat([p.scale.detach() for p in parts])
+        start = 0
+        for p in parts:
+            n = p.q.shape[0]
+            p.q.data, p.scale.data = q[start : start + n], scale[start : start + n]
+            start += n
+        return cls(q, scale, parts[0].bits, parts[0].group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
         y = kernel()(rows, self.q, self.scale, self.bits, self.group)

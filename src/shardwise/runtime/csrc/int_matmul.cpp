@@ -30,6 +30,12 @@
 
 namespace {
 
+// How far ahead of its reads a thread asks for weight bytes (_mm_prefetch, one cache line per 128
+// weights): a decode step streams every weight from memory once, and the hardware prefetcher alone
+// keeps too few lines in flight. Measured here (185 MB of int8 rows, two threads): 11-13 GB/s without,
+// 16.0 / 17.3 / 19.3 / 18.0 GB/s at 1, 2, 4 and 8 KB ahead; int4 8 -> 11 GB/s (its unpacking bounds it).
+constexpr int64_t kPrefetchBytes = 4096;
+
 inline float scale_at(const void* s, bool bf16, int64_t i) {
   if (!bf16) return static_cast<const float*>(s)[i];
   uint32_t bits = uint32_t(static_cast<const uint16_t*>(s)[i]) << 16;
@@ -50,6 +56,7 @@ float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void
     __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
     int64_t k = g0;
     for (; k + 64 <= g0 + group; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
       t0 = _mm512_fmadd_ps(f8(q + k), _mm512_loadu_ps(x + k), t0);
       t1 = _mm512_fmadd_ps(f8(q + k + 16), _mm512_loadu_ps(x + k + 16), t1);
       t2 = _mm512_fmadd_ps(f8(q + k + 32), _mm512_loadu_ps(x + k + 32), t2);
@@ -103,6 +110,7 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   if (group == 32) {  // one 32-element chunk per scale: no per-group sums of partial chains
     for (int64_t k = 0, gi = s0; k < K; k += 32, ++gi) {
+      if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
       __m512i w = bytes16(q + k / 2);
       __m512 t = fma_high(w, lut, xp + k + 16, _mm512_mul_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(xp + k)));
       add_group(_mm512_set1_ps(scale_at(s, bf16, gi)), t, (gi - s0) & 1, a0, a1);
@@ -113,6 +121,7 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
     __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;  // four independent chains
     int64_t k = g0;
     for (; k + 64 <= g0 + group; k += 64) {
+      if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
       __m512i w = bytes16(q + k / 2), v = bytes16(q + k / 2 + 16);
       t0 = fma_low(w, lut, xp + k, t0);
       t1 = fma_high(w, lut, xp + k + 16, t1);
@@ -147,6 +156,7 @@ float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void
     __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
     int64_t k = g0;
     for (; k + 32 <= g0 + group; k += 32) {
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
       __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
       __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
       t0 = _mm256_fmadd_ps(to_float(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x + k), t0);
@@ -174,6 +184,7 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
   for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
     __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
     for (int64_t k = g0; k < g0 + group; k += 32) {
+      if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
       __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
       __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
       __m256i e0 = _mm256_sub_epi32(_mm256_and_si256(w0, low), eight);
