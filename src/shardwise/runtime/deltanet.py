@@ -34,7 +34,15 @@ from torch import nn
 
 from shardwise.plan import shard_spans
 from shardwise.runtime.attention import per_slot
-from shardwise.runtime.layers import ColumnParallelLinear, RowParallelLinear, Shard, linear, shard_param
+from shardwise.runtime.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Shard,
+    linear,
+    shard_param,
+    stack_weights,
+    stacked_linear,
+)
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv
 from shardwise.spec.mixers import LinearAttentionSpec
 from shardwise.spec.model import TensorSpec
@@ -152,6 +160,11 @@ class GatedDeltaNet(nn.Module):
         self.split = [self.k_heads * self.dk, self.k_heads * self.dk, self.v_heads * self.dv]
         self.state = LinearStateCache(max_batch, (self.v_heads, self.dk, self.dv), sum(self.split), la.conv_kernel,
                                       dtype, max_step_tokens)
+        self.stack = None  # the four projections of x in one weight once loaded (stack_projections)
+
+    def stack_projections(self) -> None:
+        """Run in_proj_qkv, _z, _b and _a as one product over their stacked weights (``layers.stack_weights``)."""
+        self.stack = stack_weights(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def _inputs(self, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
         """q, k, v [B, H_v, T, d] float32 and g, beta [B, H_v, T] from the convolved q|k|v
@@ -180,9 +193,8 @@ class GatedDeltaNet(nn.Module):
         ``positions`` [B, T] in cache slots ``slots``: the projections run on every row at once,
         the state protocol on each row alone, as a one-row call would (``per_slot``)."""
         bsz, n, _ = x.shape
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(bsz, n, self.v_heads, self.dv)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = stacked_linear(x, self.stack, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        z = z.view(bsz, n, self.v_heads, self.dv)
         if slots is None:
             core = self._mix(qkv, a, b, positions, slice(0, bsz))
         else:

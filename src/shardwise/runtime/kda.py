@@ -41,7 +41,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.runtime.attention import per_slot
-from shardwise.runtime.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Shard, shard_param
+from shardwise.runtime.layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    Shard,
+    shard_param,
+    stack_weights,
+    stacked_linear,
+)
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv
 from shardwise.spec.model import TensorSpec
 
@@ -135,6 +143,15 @@ class KimiDeltaAttention(nn.Module):
         self.heads = self.width // head_dim
         self.state = LinearStateCache(max_batch, (self.heads, head_dim, head_dim), 3 * self.width, kernel, dtype,
                                       max_step_tokens)
+        self.stack = None  # the six projections of x in one weight once loaded (stack_projections)
+
+    def stack_projections(self) -> None:
+        """Run q, k, v, f_a, b and g_a (every projection of the layer's input) as one product over
+        their stacked weights (``layers.stack_weights``)."""
+        self.stack = stack_weights(*self._input_projections())
+
+    def _input_projections(self) -> tuple[nn.Module, ...]:
+        return self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj
 
     def _prepare(self, mixed, f, braw):
         """Conv outputs [..., C] → (q, k, v, g, beta) float32 for the recurrence (any number of positions).
@@ -152,10 +169,9 @@ class KimiDeltaAttention(nn.Module):
         ``positions`` [B, T] in cache slots ``slots``: the projections run on every row at once,
         the state protocol on each row alone, as a one-row call would (``attention.per_slot``)."""
         b, n, _ = x.shape
-        inputs = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).transpose(1, 2)  # [b, C, n]
-        f = self.f_b_proj(self.f_a_proj(x))
-        braw = self.b_proj(x)
-        gate = self.g_b_proj(self.g_a_proj(x))
+        q, k, v, fa, braw, ga = stacked_linear(x, self.stack, self._input_projections())
+        inputs = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # [b, C, n]
+        f, gate = self.f_b_proj(fa), self.g_b_proj(ga)
         if slots is None:
             out = self._mix(inputs, f, braw, positions, slice(0, b))
         else:
