@@ -36,6 +36,23 @@ def test_mla_latent_is_replicated_on_every_rank():
         assert rank_cache_bytes(m, ParallelPlan(tp=tp), CTX, 1.0, tp - 1) == 61 * 576 * CTX
 
 
+def test_kimi_k3_latent_projections_are_whole_on_every_rank():
+    # vLLM's K3 (LatentMoERunner) and the other K3 ports hold routed_expert_down_proj / _up_proj
+    # replicated: 92 MoE layers x 2 x 7168 x 3584 bf16 on every rank, whatever the tp
+    from shardwise.perf.estimate import formats_bits
+    from shardwise.perf.memory import rank_group_bytes
+    from shardwise.spec.tensors import LATENT_PROJ
+
+    m = load_model("kimi-k3")
+    bits = formats_bits(m.group_formats())
+    for tp in (1, 8, 16):
+        for rank in (0, tp - 1):
+            assert rank_group_bytes(m, ParallelPlan(tp=tp, ep=tp), bits, rank)[LATENT_PROJ] == 92 * 2 * 7168 * 3584 * 2
+    names = {t.name for layer in m.layers for t in layer.tensors}
+    assert "model.layers.1.block_sparse_moe.routed_expert_down_proj.weight" in names
+    assert "model.layers.1.block_sparse_moe.routed_expert_norm.weight" in names
+
+
 def test_sliding_layers_hold_only_their_window():
     # gpt-oss-120b: 18 full + 18 sliding (128-token) layers, 8 KV heads x 64, fp8 KV at TP2
     m = load_model("gpt-oss-120b")
@@ -60,9 +77,10 @@ def test_collectives_per_step_count_the_embedding_allreduce():
     # one all-gather of (value, index) pairs for greedy sampling
     doc = cli_json("plan", "--model", "llama-3.1-8b", "--boxes", "4")
     assert doc["decode"]["collectives_per_step"] == 2 * 32 + 1 + 1
-    # Kimi K3 adds a latent all-gather and reduce-scatter on each of its 92 MoE layers
+    # Kimi K3 adds, on each of its 92 latent-MoE layers, the all-reduce of the routed experts'
+    # latent output vLLM's LatentMoERunner runs before the replicated up-projection
     k3 = cli_json("plan")
-    assert k3["decode"]["collectives_per_step"] == 2 * 93 + 1 + 1 + 2 * 92
+    assert k3["decode"]["collectives_per_step"] == 2 * 93 + 1 + 1 + 92
 
 
 def test_allreduce_names_are_one_list():
@@ -129,8 +147,9 @@ def test_every_split_is_whole_units():
                       "num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 100}, name="uneven")
     with pytest.raises(ShardwiseError, match="128 rows of 'model.layers.0.mlp.gate_proj.weight'.*--tp 4"):
         validate_plan(m, ParallelPlan(tp=3))
-    # Kimi K3's 3584-wide latent projections rule out every multiple of 3 its 96 heads would allow
-    assert valid_tp_degrees(load_model("kimi-k3")) == [1, 2, 4, 8, 16, 32]
+    # Kimi K3's latent projections are whole on every rank (as vLLM holds them), so its 96 heads
+    # set the degrees: every divisor of 96
+    assert valid_tp_degrees(load_model("kimi-k3")) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
 
 
 def test_kda_dt_bias_is_float32_in_any_format():

@@ -103,7 +103,11 @@ def test_seed_rows_are_in_the_vllm_fit():
 
 def test_seed_case_out_of_sample_refit_without_s1():
     """Out-of-sample: the vllm profile refitted (shardwise.perf.calibrate.fit_profile) on its rows
-    less S1 still predicts S1's decode speed within 30%."""
+    less S1 predicts S1's decode speed (21.7 tok/s, 7 drafts at 4k) from below, within 35%: 31%
+    today. It was within 30% while the planner split K3's latent projections over the ranks; held
+    whole on every rank as vLLM's LatentMoERunner holds them, each rank reads 9.5 GB more per
+    token, and the 16 x 273 GB/s of the seed's cluster caps the plain step below what the seed's
+    speculative run reached (see the #16 note)."""
     from shardwise.perf.calibrate import fit_profile
     from shardwise.perf.estimate import decode_speed
     from shardwise.perf.profiles import get_profile
@@ -113,22 +117,24 @@ def test_seed_case_out_of_sample_refit_without_s1():
     s1 = next(r for r in rows if r.measurement.id == "S1")
     held_out = fit_profile(get_profile("vllm"), [r for r in rows if r is not s1])
     predicted = decode_speed(scenario_of(s1, held_out))[0]
-    assert abs(predicted - SEED_MEASURED_TOK_PER_S) / SEED_MEASURED_TOK_PER_S < 0.30, predicted
+    assert 0.65 * SEED_MEASURED_TOK_PER_S < predicted < SEED_MEASURED_TOK_PER_S, predicted
 
 
 def test_tcp_drop_in_sample_rows_s4_s5():
-    """In-sample: the seed measured 8.9 tok/s over RDMA and 1.3 over TCP (rows S4, S5: a 6.8x
-    drop), and both rows are among those the vllm profile was fitted on
+    """In-sample: the seed measured 8.9 tok/s over RDMA and 1.3 over TCP (rows S4, S5, both plain
+    decoding: a 6.8x drop), and both rows are among those the vllm profile was fitted on
     (test_seed_rows_are_in_the_vllm_fit); only the profile's TCP per-message overhead is not fitted
-    (an estimate from data/links.csv). With the seed's settings the plan over 10 GbE TCP drops as
-    far, and the plain TCP estimate sits within a factor of two of S5's 1.3."""
+    (an estimate from data/links.csv). Plain decoding over 10 GbE TCP drops at least 0.7 times as
+    far (5.1x today), TCP is bound by network latency (with speculation too), and the plain TCP
+    estimate sits within a factor of two of S5's 1.3."""
     seed_drop = _seed_row("S4") / _seed_row("S5")
-    roce = plan_json("--spec-tokens", "7", "--workload", "code-edit")["decode"]
+    roce = plan_json()["decode"]
+    plain_tcp = plan_json("--link", "10gbe-tcp")["decode"]
+    assert roce["tok_per_s"] / plain_tcp["tok_per_s"] > 0.7 * seed_drop
+    assert plain_tcp["bottleneck"] == "network latency"
+    assert 0.5 < plain_tcp["tok_per_s"] / _seed_row("S5") < 2.0
     tcp = plan_json("--spec-tokens", "7", "--workload", "code-edit", "--link", "10gbe-tcp")["decode"]
-    assert roce["tok_per_s"] / tcp["tok_per_s"] > 0.7 * seed_drop
     assert tcp["bottleneck"] == "network latency"
-    plain_tcp = plan_json("--link", "10gbe-tcp")["decode"]["tok_per_s"]
-    assert 0.5 < plain_tcp / _seed_row("S5") < 2.0
     step = next(s for s in tcp["waterfall"] if s["step"] == "collective latency")
     assert "per message for vllm's socket path on TCP" in step["cause"]
 
@@ -194,7 +200,8 @@ def test_errors_are_one_line_without_traceback(args, message):
 
 def test_not_fitting_says_how_many_boxes_would():
     proc = run_cli("plan", "--boxes", "4")
-    assert proc.returncode == 2 and "it needs 16 boxes" in proc.stderr, proc.stderr
+    # 15: TP3 x PP5 (its 96 heads divide by 3 now that the latent projections are not split)
+    assert proc.returncode == 2 and "it needs 15 boxes" in proc.stderr, proc.stderr
     # the shortfall is a positive amount: weights + cache + workspace + reserve less 128 GB
     from shardwise.perf.estimate import estimate
     from shardwise.perf.scenario import build_scenario
@@ -203,12 +210,11 @@ def test_not_fitting_says_how_many_boxes_would():
     sc = build_scenario("kimi-k3", "dgx-spark", 4, "100g-roce", None, None, None, 4096, 2048, 0, None, None, "vllm",
                         None, None, None, None, "bf16")
     assert short > 0 and short == pytest.approx(-estimate(sc)["memory"]["free_bytes"] / 1e9, abs=0.05)
-    # and 16 is the fewest that hold it: 15 boxes hold its bytes, but TP3 x PP5 would cut the
-    # 3584-wide latent projections into thirds and TP1 x PP15 does not fit
-    assert plan_json("--boxes", "16")["memory"]["fits"]
-    fifteen = run_cli("plan", "--boxes", "15")
-    assert fifteen.returncode == 2 and "does not fit" in fifteen.stderr, fifteen.stderr
-    assert run_cli("plan", "--boxes", "15", "--tp", "3").returncode == 2
+    # and 15 is the fewest that hold it, as TP3 x PP5; 14 hold its bytes but no valid layout fits
+    fifteen = plan_json("--boxes", "15")
+    assert fifteen["memory"]["fits"] and (fifteen["plan"]["tp"], fifteen["plan"]["pp"]) == (3, 5)
+    fourteen = run_cli("plan", "--boxes", "14")
+    assert fourteen.returncode == 2 and "does not fit" in fourteen.stderr, fourteen.stderr
 
 
 DRAFTED = ["--model", "llama-3.1-405b", "--boxes", "16", "--spec-tokens", "4", "--workload", "code-edit"]

@@ -349,14 +349,20 @@ def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
                 rep(m + "gate.e_score_correction_bias", (n_exp,), ROUTER),
             ]
             if latent != hidden:
+                # Whole on every rank, as the serving engines that run K3 hold them: vLLM's
+                # kimi_k3 model and its LatentMoERunner (routed_input_transform /
+                # routed_output_transform: "MoE runner for latent MoE with a replicated routed
+                # up-projection"), and the K3 ports for SGLang-, TensorRT-LLM- and JAX-style
+                # runtimes found in the code corpus all build routed_expert_down_proj and
+                # routed_expert_up_proj as ReplicatedLinear / unsharded weights. The routed
+                # experts' latent output is then all-reduced (3584 wide) before the norm and the
+                # up-projection: see perf.core.
                 tensors += [
-                    # Column-parallel down (then an all-gather of the latent), row-parallel up
-                    # (after a reduce-scatter of the routed output): see perf.core.
-                    col(m + "latent_down_proj.weight", latent, hidden, LATENT_PROJ),
-                    row(m + "latent_up_proj.weight", hidden, latent, LATENT_PROJ),
+                    rep(m + "routed_expert_down_proj.weight", (latent, hidden), LATENT_PROJ),
+                    rep(m + "routed_expert_up_proj.weight", (hidden, latent), LATENT_PROJ),
                 ]
                 if cfg.get("latent_moe_use_norm", False):
-                    tensors.append(norm(m + "latent_norm.weight", latent))
+                    tensors.append(norm(m + "routed_expert_norm.weight", latent))
             tensors += experts(m + "experts.", latent, moe_inter, n_exp, names=("w1", "w3", "w2"))
             if n_shared:
                 tensors += swiglu(m + "shared_experts.", hidden, moe_inter * n_shared, SHARED_EXPERTS)
