@@ -17,10 +17,11 @@ A decode step over ``positions`` positions (1 plain, k+1 for a speculative verif
 non-expert weight once, the distinct experts the positions picked (the busiest expert-parallel
 rank's expected count), the cache once and the recurrent state twice (read, written). Under TP
 each layer ends in the all-reduces its mixer and MLP declare (2: after attention, after the
-MLP or MoE, routed and shared outputs fused); a latent-MoE layer (Kimi K3) adds an all-reduce
-of the routed experts' latent output before its replicated up-projection (vLLM's LatentMoERunner
-on its default decode path: the latent all-reduce, then the shared experts' own); the
-vocab-parallel embedding adds one all-reduce and greedy
+MLP or MoE, routed and shared outputs fused); a latent-MoE layer's (Kimi K3) MoE all-reduce
+carries the routed experts' latent output beside the shared experts' partial sum, one message of
+latent + hidden width, before the replicated up-projection (vLLM's kimi_k3 model: "fuse the
+latent and shared reductions into a single all-reduce"); the vocab-parallel embedding adds one
+all-reduce and greedy
 sampling one all-gather of (value, index) pairs; pipeline boundaries one point-to-point each.
 """
 
@@ -102,7 +103,7 @@ class LayoutCounts:
     window_tokens: np.ndarray  # (L,) sliding window, inf where the cache grows without bound
     conv_window: np.ndarray  # (L,) positions of a linear-attention layer's conv window (kernel − 1), else 0
     allreduces: np.ndarray  # (L,) all-reduces each layer ends with under TP (mixer + MLP)
-    latent: np.ndarray  # (L,) latent-MoE layer: one more all-reduce, of the latent
+    latent: np.ndarray  # (L,) latent-MoE layer: its MoE all-reduce also carries the latent
     global_read_numel_g: np.ndarray  # (P, G) embedding row, final norm, LM-head shard read per step
     embedding_row_numel: np.ndarray  # (P,) extra embedding elements read per extra position
     stage_globals_numel_g: np.ndarray  # (P, S, G) embedding / norm / LM head each stage holds
@@ -352,24 +353,23 @@ def collective_figures(model: ModelSpec, counts: LayoutCounts, layout, alpha_s, 
     """
     layout = np.asarray(layout)
     tp, pp = counts.tp[layout], counts.pp[layout]
+
+    def cheapest(n_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+        each = [np.asarray(ring_s(n_bytes) if name == "ring" and ring_s is not None
+                           else collectives.ALLREDUCE_ALGORITHMS[name](n_bytes, tp, alpha_s, beta_bytes_per_s), dtype=float)
+                for name in algorithms]
+        each = np.stack(np.broadcast_arrays(*each))
+        pick = np.argmin(each, axis=0)
+        return np.take_along_axis(each, pick[None, ...], axis=0)[0], pick
+
     msg = positions * model.hidden_size * ACTIVATION_BYTES
-    each = [np.asarray(ring_s(msg) if name == "ring" and ring_s is not None
-                       else collectives.ALLREDUCE_ALGORITHMS[name](msg, tp, alpha_s, beta_bytes_per_s), dtype=float)
-            for name in algorithms]
-    each = np.stack(np.broadcast_arrays(*each))
-    pick = np.argmin(each, axis=0)
-    allreduce_s = np.take_along_axis(each, pick[None, ...], axis=0)[0]
+    allreduce_s, pick = cheapest(msg)
     activation_allreduces = int(counts.allreduces.sum()) + 1  # + the vocab-parallel embedding's
     latent_layers = int(counts.latent.sum())
-    seconds = activation_allreduces * allreduce_s
-    calls = activation_allreduces + 1 + latent_layers  # + the sampling gather
-    if latent_layers:
-        latent_msg = positions * model.moe.latent_size * ACTIVATION_BYTES
-        latent_s = np.min(np.stack(np.broadcast_arrays(*(
-            np.asarray(ring_s(latent_msg) if name == "ring" and ring_s is not None
-                       else collectives.ALLREDUCE_ALGORITHMS[name](latent_msg, tp, alpha_s, beta_bytes_per_s), dtype=float)
-            for name in algorithms))), axis=0)
-        seconds = seconds + latent_layers * latent_s
+    seconds = (activation_allreduces - latent_layers) * allreduce_s
+    calls = activation_allreduces + 1  # + the sampling gather
+    if latent_layers:  # their MoE all-reduce carries the routed latent beside the shared output
+        seconds = seconds + latent_layers * cheapest(msg + positions * model.moe.latent_size * ACTIVATION_BYTES)[0]
     sampled = positions if sampled_positions is None else sampled_positions
     seconds = seconds + collectives.ring_allgather_s(sampled * SAMPLE_BYTES * tp, tp, alpha_s, beta_bytes_per_s)
     p2p = collectives.point_to_point_s(msg, alpha_s, beta_bytes_per_s)

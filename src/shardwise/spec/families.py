@@ -350,13 +350,12 @@ def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
             ]
             if latent != hidden:
                 # Whole on every rank, as the serving engines that run K3 hold them: vLLM's
-                # kimi_k3 model and its LatentMoERunner (routed_input_transform /
-                # routed_output_transform: "MoE runner for latent MoE with a replicated routed
-                # up-projection"), and the K3 ports for SGLang-, TensorRT-LLM- and JAX-style
-                # runtimes found in the code corpus all build routed_expert_down_proj and
-                # routed_expert_up_proj as ReplicatedLinear / unsharded weights. The routed
-                # experts' latent output is then all-reduced (3584 wide) before the norm and the
-                # up-projection: see perf.core.
+                # kimi_k3 model (vllm/models/kimi_k3/nvidia/model.py, KimiMoE: ReplicatedLinear
+                # routed_expert_down_proj / routed_expert_up_proj, "the full weight lives on every
+                # rank ... fuse the latent and shared reductions into a single all-reduce") with its
+                # LatentMoERunner, and the K3 ports for SGLang-, TensorRT-LLM- and JAX-style
+                # runtimes in the code corpus all build them unsharded. The MoE all-reduce then
+                # carries the routed latent beside the shared output: see perf.core.
                 tensors += [
                     rep(m + "routed_expert_down_proj.weight", (latent, hidden), LATENT_PROJ),
                     rep(m + "routed_expert_up_proj.weight", (hidden, latent), LATENT_PROJ),
