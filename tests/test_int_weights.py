@@ -183,12 +183,17 @@ def test_kernel_rows_do_not_depend_on_the_batch(ckpts):
         model = _model(ckpts[key])
         weight = model.model.layers[0].mlp.down_proj.weight
         assert isinstance(weight, IntWeight)
+        exact_weight = weight.dequantized().double()
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(9, weight.in_features).to(dtype)
             many = weight(x)
             assert many.dtype == dtype
             for i in range(9):
                 assert torch.equal(weight(x[i:i + 1]), many[i:i + 1]), (key, dtype, i)
+            # bfloat16 rows are as exact as float32 ones: within one rounding of the output to the row dtype
+            exact = (x.double() @ exact_weight.T).to(dtype)
+            torch.testing.assert_close(many.float(), exact.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5,
+                                       atol=1e-5)
         x = torch.randn(3, weight.in_features)
         exact = x.double() @ weight.dequantized().double().T
         assert torch.allclose(weight(x).double(), exact, rtol=1e-5, atol=1e-5)
