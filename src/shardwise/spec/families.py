@@ -30,12 +30,10 @@ from shardwise.spec.tensors import (
     ROUTER,
     SHARED_EXPERTS,
     TensorSpec,
-    col,
     experts,
     layer_norms,
     norm,
     rep,
-    row,
     swiglu,
 )
 
