@@ -34,9 +34,8 @@ from shardwise.runtime.layers import (
     Shard,
     apply_rotary,
     apply_rotary_interleaved,
+    project_inputs,
     shard_param,
-    stack_weights,
-    stacked_linear,
 )
 from shardwise.spec.mixers import cache_positions
 from shardwise.spec.model import TensorSpec
@@ -176,6 +175,8 @@ class GQAttention(nn.Module):
     its last (up to S) positions.
     """
 
+    input_projections = ("q_proj", "k_proj", "v_proj")  # read the layer input: one product once stacked (layers.stack_inputs)
+
     def __init__(
         self,
         tensors: dict[str, TensorSpec],
@@ -195,7 +196,6 @@ class GQAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(t["k_proj.weight"], shard, dtype, t.get("k_proj.bias"))
         self.v_proj = ColumnParallelLinear(t["v_proj.weight"], shard, dtype, t.get("v_proj.bias"))
         self.o_proj = RowParallelLinear(t["o_proj.weight"], shard, dtype, t.get("o_proj.bias"))
-        self.stack = None  # q|k|v weights in one tensor once loaded (stack_projections)
         self.q_norm = RMSNorm(t["q_norm.weight"], shard, dtype, eps) if "q_norm.weight" in t else None
         self.k_norm = RMSNorm(t["k_norm.weight"], shard, dtype, eps) if "k_norm.weight" in t else None
         self.sinks = shard_param(t["sinks"], shard, dtype) if "sinks" in t else None
@@ -211,10 +211,6 @@ class GQAttention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
 
-    def stack_projections(self) -> None:
-        """Run q, k and v as one product over their stacked weights (``layers.stack_weights``)."""
-        self.stack = stack_weights(self.q_proj, self.k_proj, self.v_proj)
-
     @property
     def written(self) -> int:
         """One past the last position written into slot 0's ring (the one-sequence path's bookkeeping)."""
@@ -227,7 +223,7 @@ class GQAttention(nn.Module):
         """x [B, T, hidden] at ``positions`` [T] in cache rows 0..B-1, or, with ``slots``, at
         ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, d/2])."""
         b, n, _ = x.shape
-        q, k, v = stacked_linear(x, self.stack, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = project_inputs(self, x)
         q = q.view(b, n, self.heads, self.head_dim)
         k = k.view(b, n, self.kv_heads, self.head_dim)
         v = v.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)

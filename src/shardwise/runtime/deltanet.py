@@ -39,9 +39,8 @@ from shardwise.runtime.layers import (
     RowParallelLinear,
     Shard,
     linear,
+    project_inputs,
     shard_param,
-    stack_weights,
-    stacked_linear,
 )
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv
 from shardwise.spec.mixers import LinearAttentionSpec
@@ -139,6 +138,8 @@ class GatedDeltaNet(nn.Module):
 
     recurrent = True  # per-sequence state: ``ShardedCausalLM.check_step_tokens`` sizes rollback by it
 
+    input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # read the layer input: one product once stacked (layers.stack_inputs)
+
     def __init__(self, tensors: dict[str, TensorSpec], la: LinearAttentionSpec, shard: Shard, dtype: torch.dtype, *,
                  eps: float, max_batch: int = 1, max_step_tokens: int = 1):
         super().__init__()
@@ -160,11 +161,6 @@ class GatedDeltaNet(nn.Module):
         self.split = [self.k_heads * self.dk, self.k_heads * self.dk, self.v_heads * self.dv]
         self.state = LinearStateCache(max_batch, (self.v_heads, self.dk, self.dv), sum(self.split), la.conv_kernel,
                                       dtype, max_step_tokens)
-        self.stack = None  # the four projections of x in one weight once loaded (stack_projections)
-
-    def stack_projections(self) -> None:
-        """Run in_proj_qkv, _z, _b and _a as one product over their stacked weights (``layers.stack_weights``)."""
-        self.stack = stack_weights(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def _inputs(self, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
         """q, k, v [B, H_v, T, d] float32 and g, beta [B, H_v, T] from the convolved q|k|v
@@ -193,7 +189,7 @@ class GatedDeltaNet(nn.Module):
         ``positions`` [B, T] in cache slots ``slots``: the projections run on every row at once,
         the state protocol on each row alone, as a one-row call would (``per_slot``)."""
         bsz, n, _ = x.shape
-        qkv, z, b, a = stacked_linear(x, self.stack, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        qkv, z, b, a = project_inputs(self, x)
         z = z.view(bsz, n, self.v_heads, self.dv)
         if slots is None:
             core = self._mix(qkv, a, b, positions, slice(0, bsz))

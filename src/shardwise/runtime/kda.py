@@ -46,9 +46,8 @@ from shardwise.runtime.layers import (
     ReplicatedLinear,
     RowParallelLinear,
     Shard,
+    project_inputs,
     shard_param,
-    stack_weights,
-    stacked_linear,
 )
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv
 from shardwise.spec.model import TensorSpec
@@ -121,6 +120,8 @@ class KimiDeltaAttention(nn.Module):
 
     recurrent = True  # per-sequence state: ``ShardedCausalLM.check_step_tokens`` sizes rollback by it
 
+    input_projections = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")  # read the layer input: one product once stacked (layers.stack_inputs)
+
     def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype, *, head_dim: int,
                  kernel: int, eps: float, max_batch: int = 1, max_step_tokens: int = 1):
         super().__init__()
@@ -143,15 +144,6 @@ class KimiDeltaAttention(nn.Module):
         self.heads = self.width // head_dim
         self.state = LinearStateCache(max_batch, (self.heads, head_dim, head_dim), 3 * self.width, kernel, dtype,
                                       max_step_tokens)
-        self.stack = None  # the six projections of x in one weight once loaded (stack_projections)
-
-    def stack_projections(self) -> None:
-        """Run q, k, v, f_a, b and g_a (every projection of the layer's input) as one product over
-        their stacked weights (``layers.stack_weights``)."""
-        self.stack = stack_weights(*self._input_projections())
-
-    def _input_projections(self) -> tuple[nn.Module, ...]:
-        return self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj
 
     def _prepare(self, mixed, f, braw):
         """Conv outputs [..., C] → (q, k, v, g, beta) float32 for the recurrence (any number of positions).
@@ -169,7 +161,7 @@ class KimiDeltaAttention(nn.Module):
         ``positions`` [B, T] in cache slots ``slots``: the projections run on every row at once,
         the state protocol on each row alone, as a one-row call would (``attention.per_slot``)."""
         b, n, _ = x.shape
-        q, k, v, fa, braw, ga = stacked_linear(x, self.stack, self._input_projections())
+        q, k, v, fa, braw, ga = project_inputs(self, x)
         inputs = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # [b, C, n]
         f, gate = self.f_b_proj(fa), self.g_b_proj(ga)
         if slots is None:

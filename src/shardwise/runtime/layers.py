@@ -176,11 +176,18 @@ def stack_weights(*linears: nn.Module) -> Stack | None:
     return Stack(stack, tuple(w.shape[0] for w in weights))
 
 
-def stacked_linear(x: torch.Tensor, stack: Stack | None, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
-    """Each of ``linears``' outputs for ``x``: one product over their ``stack_weights`` stack, split
-    by rows, or (no stack) one product per linear."""
+def stack_inputs(module: nn.Module) -> None:
+    """Stack the weights of ``module.input_projections`` (the names of its linears that all read the
+    module's input) as ``module.stack`` (``stack_weights``; None when they cannot share one)."""
+    module.stack = stack_weights(*(getattr(module, name) for name in module.input_projections))
+
+
+def project_inputs(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of ``module.input_projections``' outputs for ``x``: one product over ``module.stack``
+    (``stack_inputs``), split by rows, or (not stacked) one product per linear."""
+    stack = getattr(module, "stack", None)
     if stack is None:
-        return tuple(m(x) for m in linears)
+        return tuple(getattr(module, name)(x) for name in module.input_projections)
     return linear(x, stack.weight).split(stack.rows, dim=-1)
 
 

@@ -35,6 +35,7 @@ from shardwise.runtime.layers import (
     VocabParallelLMHead,
     allreduce,
     rope_parameters,
+    stack_inputs,
 )
 from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE
 from shardwise.runtime.packed_weights import quantization
@@ -306,11 +307,12 @@ class ShardedCausalLM(nn.Module):
         return self._run(ids, positions, self.rotary(positions, self.dtype), None)
 
     def stack_projections(self) -> None:
-        """Once the weights are loaded: projections of the same input (q|k|v, gate|up) that can share
-        one product get their weights stacked (``layers.stack_weights``)."""
+        """Once the weights are loaded: each block's projections of its input (its
+        ``input_projections``: q|k|v, gate|up, ...) that can share one product get their weights
+        stacked (``layers.stack_inputs``)."""
         for module in self.modules():
-            if module is not self and hasattr(module, "stack_projections"):
-                module.stack_projections()
+            if hasattr(module, "input_projections"):
+                stack_inputs(module)
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
              slots: list[int] | None) -> torch.Tensor:

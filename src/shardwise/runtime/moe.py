@@ -33,9 +33,8 @@ from shardwise.runtime.layers import (
     RowParallelLinear,
     Shard,
     linear,
+    project_inputs,
     shard_param,
-    stack_weights,
-    stacked_linear,
 )
 from shardwise.runtime.mxfp4_matmul import mxfp4_matmul
 from shardwise.runtime.packed_weights import BLOCKS, NONE, SCALES, Quantization, packed_param
@@ -45,19 +44,16 @@ from shardwise.spec.model import MoESpec, TensorSpec
 class DenseMLP(nn.Module):
     """SwiGLU ``down(silu(gate(x)) · up(x))``: gate/up column-parallel, down row-parallel."""
 
+    input_projections = ("gate_proj", "up_proj")  # read the layer input: one product once stacked (layers.stack_inputs)
+
     def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(tensors["gate_proj.weight"], shard, dtype)
         self.up_proj = ColumnParallelLinear(tensors["up_proj.weight"], shard, dtype)
         self.down_proj = RowParallelLinear(tensors["down_proj.weight"], shard, dtype)
-        self.stack = None  # gate|up weights in one tensor once loaded (stack_projections)
-
-    def stack_projections(self) -> None:
-        """Run gate and up as one product over their stacked weights (``layers.stack_weights``)."""
-        self.stack = stack_weights(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = stacked_linear(x, self.stack, (self.gate_proj, self.up_proj))
+        gate, up = project_inputs(self, x)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -96,17 +92,11 @@ class Expert(nn.Module):
         self.parts = next(names for names in EXPERT_NAMES if f"{names[0]}.weight" in tensors)
         for name in self.parts:
             setattr(self, name, ExpertLinear(tensors[f"{name}.weight"], e, shard, dtype, quant))
-        self.stack = None  # gate|up weights in one tensor once loaded (stack_projections)
-
-    def stack_projections(self) -> None:
-        """Run gate and up as one product over their stacked float weights (``layers.stack_weights``;
-        MXFP4 experts keep their blocks)."""
-        self.stack = stack_weights(*(getattr(self, name) for name in self.parts[:2]))
+        self.input_projections = self.parts[:2]  # gate, up: one product once stacked (MXFP4 experts keep their blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_proj, up_proj, down = (getattr(self, name) for name in self.parts)
-        gate, up = stacked_linear(x, self.stack, (gate_proj, up_proj))
-        return down(F.silu(gate) * up)
+        gate, up = project_inputs(self, x)
+        return getattr(self, self.parts[2])(F.silu(gate) * up)
 
 
 class Router(nn.Module):

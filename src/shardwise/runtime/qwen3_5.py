@@ -30,9 +30,8 @@ from shardwise.runtime.layers import (
     Shard,
     allreduce,
     apply_rotary,
+    project_inputs,
     rope_parameters,
-    stack_weights,
-    stacked_linear,
 )
 from shardwise.runtime.moe import DenseMLP, SparseMoE
 from shardwise.runtime.packed_weights import NONE, Quantization, quantization
@@ -62,6 +61,8 @@ class GatedAttention(nn.Module):
     """Qwen3.5 full attention over this rank's heads with a static KV cache [max_batch, kv_local, S, d]
     (one row per cache slot, index = position)."""
 
+    input_projections = ("q_proj", "k_proj", "v_proj")  # read the layer input: one product once stacked (layers.stack_inputs)
+
     def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype, *, head_dim: int,
                  rotary_dim: int, gated: bool, eps: float, max_seq_len: int, max_batch: int = 1):
         super().__init__()
@@ -76,14 +77,9 @@ class GatedAttention(nn.Module):
         self.heads = self.q_proj.weight.shape[0] // (head_dim * (2 if gated else 1))
         self.kv_heads = self.k_proj.weight.shape[0] // head_dim
         self.scaling = head_dim**-0.5
-        self.stack = None  # q|k|v weights in one tensor once loaded (stack_projections)
         cache_shape = (max_batch, self.kv_heads, max_seq_len, head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype), persistent=False)
-
-    def stack_projections(self) -> None:
-        """Run q (with its gate), k and v as one product over their stacked weights."""
-        self.stack = stack_weights(self.q_proj, self.k_proj, self.v_proj)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
@@ -97,7 +93,7 @@ class GatedAttention(nn.Module):
         ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, rotary/2]),
         each row's cache write and attention alone (``attention.per_slot``)."""
         b, n, _ = x.shape
-        q, k, v = stacked_linear(x, self.stack, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = project_inputs(self, x)
         q = q.view(b, n, self.heads, -1)
         gate = None
         if self.gated:
