@@ -32,7 +32,7 @@ def core_rate(model_name: str, max_boxes: int, repeats: int = 5, batches=1) -> t
     boxes, links = list(catalog.boxes.values()), list(catalog.links.values())
     model = load_model(model_name)
     plans = enumerate_layouts(model, tuple(range(1, max_boxes + 1)))
-    table = core.build_layout_table(model, plans, formats_bits(model.group_formats()))
+    table = core.build_layout_table(model, plans, formats_bits(model.group_formats(), model))
     prof = get_profile("vllm")
     layout = np.arange(len(plans))[:, None, None]
     bw = np.array([b.memory_bandwidth_gbps * GB for b in boxes])[None, :, None]

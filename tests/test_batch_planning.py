@@ -116,7 +116,7 @@ def test_core_takes_batch_as_a_dimension():
 
     model = load_model("qwen3-30b-a3b")
     plans = enumerate_layouts(model, (1, 2, 4, 8))
-    table = core.build_layout_table(model, plans, formats_bits(model.group_formats()))
+    table = core.build_layout_table(model, plans, formats_bits(model.group_formats(), model))
     hw = core.Hardware(np.array([273e9, 3.35e12])[None, :], np.array([1e14, 9.9e14])[None, :], 5e-6, 12.5e9)
     layout = np.arange(len(plans))[:, None]
     prof = get_profile("vllm")

@@ -44,7 +44,7 @@ def test_kimi_k3_latent_projections_are_whole_on_every_rank():
     from shardwise.spec.tensors import LATENT_PROJ
 
     m = load_model("kimi-k3")
-    bits = formats_bits(m.group_formats())
+    bits = formats_bits(m.group_formats(), m)
     for tp in (1, 8, 16):
         for rank in (0, tp - 1):
             assert rank_group_bytes(m, ParallelPlan(tp=tp, ep=tp), bits, rank)[LATENT_PROJ] == 92 * 2 * 7168 * 3584 * 2

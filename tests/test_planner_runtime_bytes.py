@@ -81,7 +81,7 @@ def test_planner_run_formats_are_the_runtime_rule(specs):
     """``ModelSpec.run_formats`` (what the planner uses for a shardwise run) gives the bits above."""
     for family, spec in specs.items():
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-            assert formats_bits(spec.run_formats(name)) == runtime_formats_bits(spec, dtype), (family, name)
+            assert formats_bits(spec.run_formats(name), spec) == runtime_formats_bits(spec, dtype), (family, name)
 
 
 def _runtime_group_bytes(model) -> dict[str, int]:

@@ -60,7 +60,7 @@ def test_core_equals_scalar_planner(model_name, box_name, link_name):
     box, link = get_box(box_name), get_link(link_name)
     prof = get_profile("vllm")
     formats = model.group_formats()
-    bits = formats_bits(formats)
+    bits = formats_bits(formats, model)
     plans = [p for n in (1, 2, 4, 8) for p in _plans(model, n)]
     table = core.build_layout_table(model, plans, bits)
     idx = np.arange(len(plans))
@@ -96,7 +96,7 @@ def test_core_with_a_draft_model_equals_scalar_planner(box_name, link_name):
     box, link = get_box(box_name), get_link(link_name)
     prof = get_profile("vllm")
     formats = model.group_formats()
-    bits = formats_bits(formats)
+    bits = formats_bits(formats, model)
     plans = [p for n in (2, 4, 8) for p in _plans(model, n)]
     table = core.build_layout_table(model, plans, bits)
     hw = hardware_of(box, link, prof)
@@ -122,7 +122,7 @@ def test_core_memory_bytes_equal_scalar_fullest_rank():
     from shardwise.perf.memory import memory_fit
 
     model = load_model("gpt-oss-120b")  # sliding + full layers, fused experts
-    bits = formats_bits(model.group_formats())
+    bits = formats_bits(model.group_formats(), model)
     plans = [p for n in (1, 3, 4, 6) for p in _plans(model, n)]
     table = core.build_layout_table(model, plans, bits)
     for ctx in (1, 100, 128, 5000, 131072):
@@ -164,7 +164,7 @@ def _reference(constraints: dict) -> dict[tuple, float]:
         model = load_model(model_name)
         points = []
         for variant in quant_variants(model, None, None):
-            bits = formats_bits(variant.format_map)
+            bits = formats_bits(variant.format_map, model)
             avg_bits = sum(n * bits[g] for g, n in model.params_by_group.items()) / model.total_params
             for n in GRID["counts"]:
                 for plan in _plans(model, n):
@@ -279,7 +279,7 @@ def test_spark_4_ranks_models_that_fit():
     spark = get_box("dgx-spark")
     for name in ("llama-3.1-8b", "gpt-oss-120b", "kimi-k3"):
         model = load_model(name)
-        any_fit = any(memory_fit(load_model(name), p, formats_bits(v.format_map), 4096, 2.0, spark.memory_gb * GB, 0.1).fits
+        any_fit = any(memory_fit(load_model(name), p, formats_bits(v.format_map, model), 4096, 2.0, spark.memory_gb * GB, 0.1).fits
                       for p in _plans(model, 4) for v in quant_variants(model, None, None))
         assert (name in models) == any_fit, name
     human = run_cli("sweep", "--box", "dgx-spark", "--boxes", "4")

@@ -32,8 +32,8 @@ from shardwise.perf.validate import ape, scenario_of
 FITTED = ("vllm", "llama-cpp", "mlx")
 MEM_EFFICIENCY_GRID = np.round(0.3 + 0.025 * np.arange(29), 3)
 STEP_OVERHEAD_GRID_S = np.array([0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 3e-3, 5e-3, 8e-3])
-COLLECTIVE_OVERHEAD_GRID_S = np.array([0, 5, 10, 20, 30, 40, 60, 80, 100, 130, 160, 200, 250]) * 1e-6
-LAYER_OVERHEAD_GRID_S = np.array([0, 5, 10, 20, 30, 50, 75, 100, 150, 200]) * 1e-6
+COLLECTIVE_OVERHEAD_GRID_S = np.round(np.array([0, 5, 10, 20, 30, 40, 60, 80, 100, 130, 160, 200, 250]) * 1e-6, 9)
+LAYER_OVERHEAD_GRID_S = np.round(np.array([0, 5, 10, 20, 30, 50, 75, 100, 150, 200]) * 1e-6, 9)
 COMPUTE_EFFICIENCY_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))
 DEFAULT_CSV = Path(__file__).resolve().parents[3] / "data" / "measurements.csv"
 
@@ -42,34 +42,36 @@ def _row_terms(row: ResolvedRow, profile: RuntimeProfile):
     """(terms of the step that yields tokens, tokens per step, network link?, decoder layers) for one row."""
     sc = scenario_of(row, profile)
     hw = hardware_of(sc.box, sc.link, sc.profile)
-    table = layout_table(sc.model, sc.plan, formats_bits(sc.formats), sc.kv_bytes)
+    table = layout_table(sc.model, sc.plan, formats_bits(sc.formats, sc.model), sc.kv_bytes)
     positions = sc.spec_tokens + 1
     tokens = tokens_per_step(sc.spec_tokens, sc.acceptance) if sc.spec_tokens else 1.0
     terms = step_terms(sc.model, table, hw, sc.context_tokens, positions, allreduce=profile.allreduce)
     return terms, tokens, hw.network, len(terms.memory_s) - 1  # the LM head is the last column
 
 
-def _ape_grid(rows: list[ResolvedRow], prior: RuntimeProfile) -> np.ndarray:
+def _ape_grid(rows: list[ResolvedRow], prior: RuntimeProfile) -> tuple[np.ndarray, bool]:
     """APE (%) of every row on the grid mem_eff x step_overhead x collective_overhead x layer_overhead:
-    [rows, E, O, K, L]."""
-    out = []
+    [rows, E, O, K, L]; and whether any row crosses a network (else the per-call overhead is not identifiable)."""
+    out, networked = [], False
     for r in rows:
         terms, tokens, network, layers = _row_terms(r, prior)
+        networked |= bool(network) and r.plan.world_size > 1
         comp = terms.compute_s / prior.compute_efficiency
         layers_s = np.maximum(terms.memory_s[None, :] / MEM_EFFICIENCY_GRID[:, None], comp[None, :]).sum(axis=1)
         coll = terms.collective_s + terms.collectives * COLLECTIVE_OVERHEAD_GRID_S * (1.0 if network else 0.0)
         overhead = overhead_seconds(STEP_OVERHEAD_GRID_S[:, None], LAYER_OVERHEAD_GRID_S[None, :], layers)
         step = layers_s[:, None, None, None] + overhead[None, :, None, :] + coll[None, None, :, None]
         out.append(np.abs(tokens / step - r.measurement.decode_tok_s) / r.measurement.decode_tok_s * 100)
-    return np.stack(out)
+    return np.stack(out), networked
 
 
 def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfile:
     """Fit ``prior``'s factors on ``rows``: a joint grid over memory efficiency, step overhead,
     per-collective overhead and per-layer overhead minimising the median APE of decode tok/s (ties to the earliest grid
     point), then compute efficiency on the rows' prefill tok/s."""
-    grid = np.median(_ape_grid(rows, prior), axis=0)
-    if not any(r.plan.world_size > 1 and _row_terms(r, prior)[2] for r in rows):
+    apes, networked = _ape_grid(rows, prior)
+    grid = np.median(apes, axis=0)
+    if not networked:
         grid = grid[:, :, :1]  # no network row: the per-call overhead is not identifiable, keep 0
     e, o, k, n = np.unravel_index(np.argmin(grid), grid.shape)
     best = replace(
@@ -78,14 +80,16 @@ def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfil
     )
     prefill_rows = [r for r in rows if r.measurement.prefill_tok_s and r.measurement.prompt_tokens]
     if prefill_rows:
+        cases = []  # (row, scenario, layout table): the bytes do not depend on the profile, so built once
+        for r in prefill_rows:
+            sc = replace(scenario_of(r, best), prompt_tokens=r.measurement.prompt_tokens)
+            cases.append((r, sc, layout_table(sc.model, sc.plan, formats_bits(sc.formats, sc.model), sc.kv_bytes)))
+
         def prefill_ape(p: RuntimeProfile) -> float:
-            errs = []
-            for r in prefill_rows:
-                sc = replace(scenario_of(r, p), prompt_tokens=r.measurement.prompt_tokens)
-                table = layout_table(sc.model, sc.plan, formats_bits(sc.formats), sc.kv_bytes)
-                pred = prefill_speed(sc, table, hardware_of(sc.box, sc.link, sc.profile))["tok_per_s"]
-                errs.append(ape(pred, r.measurement.prefill_tok_s))
-            return statistics.median(errs)
+            return statistics.median(
+                ape(prefill_speed(replace(sc, profile=p), table, hardware_of(sc.box, sc.link, p))["tok_per_s"],
+                    r.measurement.prefill_tok_s)
+                for r, sc, table in cases)
 
         best = min((replace(best, compute_efficiency=c) for c in COMPUTE_EFFICIENCY_GRID), key=prefill_ape)
     final = statistics.median(ape(decode_speed(scenario_of(r, best))[0], r.measurement.decode_tok_s) for r in rows)

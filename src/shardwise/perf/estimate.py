@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from shardwise.errors import ShardwiseError
 from shardwise.perf import core, grid
 from shardwise.perf.decode import Hardware, StepCost, apply_profile, layout_table, step_cost, step_terms
 from shardwise.perf.batching import batch_curve, batch_figures, crossover_batch
@@ -16,9 +17,10 @@ from shardwise.perf.memory import memory_fit, total_weight_bytes
 from shardwise.perf.profiles import RuntimeProfile, message_latency_s
 from shardwise.perf.speculative import tokens_per_step
 from shardwise.plan import ParallelPlan
+from shardwise.quant import gguf_mix
 from shardwise.quant.formats import get_format
 from shardwise.spec.model import EMBEDDING, ModelSpec
-from shardwise.spec.tensors import unpacked_key
+from shardwise.spec.tensors import MATMUL_GROUPS, unpacked_key
 
 GB = 1e9
 ACTIVE_CONVENTION = (
@@ -100,10 +102,19 @@ def _hardware(sc: Scenario, rings: dict | None) -> Hardware:
     return hardware_of(sc.box, sc.link, sc.profile, lambda n: sc.topology.ring_allreduce_time(order, n) + extra)
 
 
-def formats_bits(formats: dict[str, str]) -> dict[str, float]:
-    """Bits per weight per tensor group from the codec-backed format registry; for a group in a
-    weights-only format (block formats, int8/int4) also the bits its biases and 1-D parameters keep (``unpacked_key``): the
-    model's unquantized dtype, the embedding's format (no scheme quantizes the embedding)."""
+def formats_bits(formats: dict[str, str], model: ModelSpec) -> dict[str, float]:
+    """Bits per weight per tensor group of ``model`` at ``formats`` from the codec-backed format
+    registry; for a group in a weights-only format (block formats, int8/int4) also the bits its
+    biases and 1-D parameters keep (``unpacked_key``): the model's unquantized dtype, the embedding's
+    format (no scheme quantizes the embedding). A GGUF file type (``gguf-*``) names every tensor's
+    type at once, embedding and LM head included: llama.cpp's per-tensor choice (``quant.gguf_mix``)."""
+    ftypes = {get_format(formats[g]).gguf_ftype for g in MATMUL_GROUPS}
+    if ftypes != {None}:
+        if len(ftypes) > 1:
+            shown = ", ".join(f"{g} {formats[g]}" for g in MATMUL_GROUPS)
+            raise ShardwiseError(f"a GGUF file type sets every tensor at once, got {shown}: give one gguf-* "
+                                 "format for all weights (--quant), not per group")
+        return gguf_mix.cached_group_bits(model, ftypes.pop())
     bits = {g: get_format(f).bits_per_weight for g, f in formats.items()}
     for g, f in formats.items():
         if get_format(f).weights_only:
@@ -133,7 +144,7 @@ def draft_bytes(draft: ModelSpec | None, context_tokens: int, kv_bytes: float, b
     caches of ``batch`` sequences at ``context_tokens`` (0 without a draft model)."""
     if draft is None:
         return 0.0
-    bits = formats_bits(draft.group_formats())
+    bits = formats_bits(draft.group_formats(), draft)
     return total_weight_bytes(draft, bits) + batch * draft.cache_bytes(context_tokens, kv_bytes)
 
 
@@ -142,7 +153,7 @@ def draft_step_cost(draft: ModelSpec, mem_bandwidth_bytes_per_s: float, peak_flo
     """One decode step of ``draft`` whole on one box (tp = 1: no collectives); ``kwargs`` are
     step_cost's profile factors."""
     hw = Hardware(mem_bandwidth_bytes_per_s, peak_flops, link_alpha_s=0.0, link_beta_bytes_per_s=1.0, network=False)
-    table = layout_table(draft, SINGLE_BOX, formats_bits(draft.group_formats()), kv_bytes)
+    table = layout_table(draft, SINGLE_BOX, formats_bits(draft.group_formats(), draft), kv_bytes)
     return step_cost(draft, table, hw, context_tokens, 1, **kwargs)
 
 
@@ -166,7 +177,7 @@ def decode_speed(sc: Scenario, table=None, hw: Hardware | None = None, draft: St
     """
     hw = hw or _hardware(sc, ring_orders(sc))
     if table is None:
-        table = layout_table(sc.model, sc.plan, formats_bits(sc.formats), sc.kv_bytes)
+        table = layout_table(sc.model, sc.plan, formats_bits(sc.formats, sc.model), sc.kv_bytes)
     kwargs = {**profile_kwargs(sc.profile), **overrides, "batch": sc.batch}
     plain = step_cost(sc.model, table, hw, sc.context_tokens, 1, **kwargs)
     if not sc.spec_tokens:
@@ -182,7 +193,7 @@ def estimate(sc: Scenario, curve: bool = False) -> dict:
     """Memory, decode, prefill, waterfall, bottleneck, power and cost for one scenario (``curve``:
     also the concurrency curve, tok/s per sequence and in all for B = 1 … max_batch)."""
     m, plan, prof = sc.model, sc.plan, sc.profile
-    bits = formats_bits(sc.formats)
+    bits = formats_bits(sc.formats, sc.model)
     rings = ring_orders(sc)
     hw = _hardware(sc, rings)
     table = layout_table(m, plan, bits, sc.kv_bytes)

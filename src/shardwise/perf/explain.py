@@ -28,7 +28,7 @@ def explain(result: SweepResult, req: SweepRequest, model: str, box: str, boxes:
     if not plans:
         return f"{label}: no tp x pp layout of {model} uses exactly {boxes} boxes"
     variant = quant_variants(spec, ("native",), None)[0]
-    table = core.build_layout_table(spec, plans, formats_bits(variant.format_map), req.kv_bytes)
+    table = core.build_layout_table(spec, plans, formats_bits(variant.format_map, spec), req.kv_bytes)
     prof = get_profile(req.runtime)
     drafting, replicated = draft_terms(req, (box_obj,))
     out = grid.evaluate(

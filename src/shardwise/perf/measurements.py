@@ -19,7 +19,8 @@ from pathlib import Path
 from shardwise.errors import ShardwiseError, shown
 from shardwise.perf.speculative import WORKLOADS
 from shardwise.plan import ParallelPlan, default_plan, validate_plan
-from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, ModelSpec
+from shardwise.quant.formats import get_format
+from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, TENSOR_GROUPS, ModelSpec
 from shardwise.spec.parse import load_model
 
 REQUIRED_COLUMNS = (
@@ -227,6 +228,8 @@ def resolve(m: Measurement) -> ResolvedRow | str:
     formats = model.group_formats()
     if quant["format"] != "checkpoint":
         groups = MATMUL_GROUPS if quant.get("groups", "matmul") == "matmul" else (ROUTED_EXPERTS,)
+        if get_format(quant["format"]).gguf_ftype:  # a GGUF file: llama.cpp types every tensor (quant.gguf_mix)
+            groups = TENSOR_GROUPS
         formats.update({g: quant["format"] for g in groups})
     plan = _parallelism(m.parallelism, m.num_devices, model)
     try:

@@ -205,7 +205,7 @@ def run_sweep(req: SweepRequest, progress=None) -> SweepResult:
         watts = n * load_w[None, :, None] + switches * sw_watts[None, None, :]
         layout_idx = np.arange(len(plans))[:, None, None]
         for qi, variant in enumerate(quants):
-            table = core.build_layout_table(spec, counts, formats_bits(variant.format_map), req.kv_bytes)
+            table = core.build_layout_table(spec, counts, formats_bits(variant.format_map, spec), req.kv_bytes)
             # the one validity check at this variant's formats (packed expert blocks must not be cut)
             valid = np.array([is_valid_plan(spec, p, variant.format_map) for p in plans])[:, None, None]
             out = grid.evaluate(

@@ -8,7 +8,7 @@ codec modules' constants, so the planner and the codecs cannot disagree.
 from dataclasses import dataclass
 
 from shardwise.errors import unknown_name
-from shardwise.quant import mxfp4_codec, nvfp4_codec
+from shardwise.quant import gguf_mix, mxfp4_codec, nvfp4_codec
 
 
 PACKED_BLOCK_MAX = 256  # weights per scale of the largest 1-D block format
@@ -29,6 +29,7 @@ class QuantFormat:
     scale_bits: int
     description: str
     source: str
+    gguf_ftype: str | None = None  # a GGUF file type: llama.cpp types each tensor (quant.gguf_mix)
 
     @property
     def packed(self) -> bool:
@@ -140,16 +141,6 @@ _FORMATS = (
         f"{_GGML}, struct block_q4_0",
     ),
     QuantFormat(
-        "q4_k_m",
-        4.85,
-        32,
-        6,
-        "GGUF Q4_K_M mix: mostly Q4_K (256-weight super-blocks of 144 bytes = 4.5 bits, a 6-bit scale and "
-        "min per 32 weights), some tensors Q6_K (6.5625 bits); "
-        "measured from file sizes, e.g. Llama-3.1-70B 39.59 GiB / 70.55 B params ≈ 4.82 bits",
-        f"{_GGML}, struct block_q4_K; llama.cpp quantize presets (Q4_K_M)",
-    ),
-    QuantFormat(
         "q8_0",
         34 * 8 / 32,
         32,
@@ -167,7 +158,36 @@ _FORMATS = (
     ),
 )
 
-FORMATS: dict[str, QuantFormat] = {f.name: f for f in _FORMATS}
+_GGUF_MIXES = (  # (file type, what llama.cpp's quantizer does beyond the default type)
+    ("Q2_K", "attn_v Q4_K (GQA >= 4) or Q3_K, ffn_down and attn_output Q3_K"),
+    ("Q3_K_S", "Q3_K throughout"),
+    ("Q3_K_M", "attn_v Q5_K in the first two layers then Q4_K, ffn_down Q5_K in the first 1/16 then Q4_K, "
+               "attn_output Q4_K"),
+    ("Q3_K_L", "attn_v, ffn_down and attn_output Q5_K"),
+    ("Q4_0", "Q4_0 throughout"),
+    ("Q4_K_S", "attn_v Q5_K in the first four layers, ffn_down Q5_K in the first 1/8"),
+    ("Q4_K_M", "attn_v and ffn_down Q6_K in the first and last 1/8 of the layers and every third between"),
+    ("Q5_K_S", "Q5_K throughout"),
+    ("Q5_K_M", "attn_v and ffn_down Q6_K in the first and last 1/8 of the layers and every third between"),
+    ("Q6_K", "Q6_K throughout"),
+    ("Q8_0", "Q8_0 throughout, the LM head too"),
+)
+
+
+def _gguf_format(ftype: str, rules: str) -> QuantFormat:
+    default = gguf_mix.FTYPE_DEFAULT[ftype]
+    per_block, nbytes = gguf_mix.GGML_TYPES[default]
+    return QuantFormat(
+        f"gguf-{ftype.lower()}", gguf_mix.bits(default), per_block, 16,
+        f"GGUF file type {ftype} as llama.cpp's quantizer writes it: {default} ({nbytes} bytes per {per_block} "
+        f"weights) by default; {rules}; LM head Q6_K (Q8_0 when rows are not whole blocks), a tied embedding "
+        "as the LM head, norms and router F32. Priced per tensor for each model (quant.gguf_mix); the bits "
+        "here are the default type's",
+        f"{_GGML}; ggml-org/llama.cpp src/llama-quant.cpp (llama_tensor_get_type_impl)", ftype,
+    )
+
+
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in _FORMATS + tuple(_gguf_format(*m) for m in _GGUF_MIXES)}
 """Every known format by name."""
 
 

@@ -5,7 +5,8 @@ It writes what llama.cpp's own converter (``convert_hf_to_gguf.py``, llama-cpp-p
 ``vendor/llama.cpp``) writes for such a checkpoint, through the ``gguf`` package's ``GGUFWriter``:
 
 - ``llama.*`` hyper-parameters (context, widths, heads, RMS epsilon, rope base and dimension, vocab);
-- tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``, ``output``),
+- tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``, ``output``;
+  no ``output`` for tied embeddings, as the converter, which writes only the tensors the checkpoint has),
   with the rows of ``q_proj`` / ``k_proj`` permuted from Hugging Face's half-split rotary layout to
   llama.cpp's interleaved pairs (the converter's ``LlamaModel.permute``), and for ``rope_type``
   "llama3" the ``rope_freqs`` factors tensor it computes;
@@ -161,9 +162,7 @@ def write_llama_gguf(checkpoint: str | Path, out: str | Path, outtype: str = "f3
         put("rope_freqs.weight", llama3_rope_factors(rope, theta, head_dim))
     elif rope:
         raise ShardwiseError(f"{folder}: rope_scaling {rope.get('rope_type')!r} is not written by this helper")
-    tensors = load_file(str(folder / "model.safetensors"))
-    if "lm_head.weight" not in tensors and cfg.get("tie_word_embeddings"):
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors = load_file(str(folder / "model.safetensors"))  # tied: no lm_head, no ``output`` (llama.cpp reuses token_embd)
     for name, data in tensors.items():
         if name in _TOP:
             put(_TOP[name], data)
