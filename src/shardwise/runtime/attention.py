@@ -307,6 +307,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(t["kv_a_layernorm.weight"], shard, dtype, eps)
         self.kv_b_proj = ColumnParallelLinear(t["kv_b_proj.weight"], shard, dtype)
         self.o_proj = RowParallelLinear(t["o_proj.weight"], shard, dtype)
+        # Kimi K3's mla_use_output_gate: the heads' outputs times sigmoid(g_proj(x)) before o_proj
+        # (Moonshot's modeling_kimi_linear.py, KimiMLAAttention); column-parallel like the heads
+        self.g_proj = ColumnParallelLinear(t["g_proj.weight"], shard, dtype) if "g_proj.weight" in t else None
         self.kv_lora_rank, self.nope, self.rope_dim, self.v_dim = kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.heads = self.kv_b_proj.weight.shape[0] // (qk_nope_head_dim + v_head_dim)
         self.scaling = scaling
@@ -337,8 +340,12 @@ class MLAttention(nn.Module):
         new = torch.cat([kv_nope, k_rot], dim=-1)
         query = torch.cat([q_pass, q_rot], dim=-1)
         if slots is None:
-            return self.o_proj(self._cached(query, new, positions, slice(0, b)))
-        return self.o_proj(per_slot(self._cached, slots, positions, query, new))
+            out = self._cached(query, new, positions, slice(0, b))
+        else:
+            out = per_slot(self._cached, slots, positions, query, new)
+        if self.g_proj is not None:
+            out = out * self.g_proj(x).sigmoid()
+        return self.o_proj(out)
 
     def _cached(self, query: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
         """Write latents ``new`` [b, T, rank + rope] at ``positions`` [T] into cache rows ``rows``

@@ -129,6 +129,10 @@ def _shrink_kimi_linear(config: dict[str, Any], scale: str) -> dict[str, Any]:
                num_nextn_predict_layers=0, torch_dtype="float32", dtype="float32")
     if cfg.get("q_lora_rank") is not None:
         cfg["q_lora_rank"] = 2 * sizes["kv_lora_rank"]
+    if cfg.get("routed_expert_hidden_size") is not None:  # Kimi K3's latent MoE: half the width, as the real one
+        cfg["routed_expert_hidden_size"] = sizes["hidden_size"] // 2
+    if cfg.get("attn_res_block_size") is not None:  # Kimi K3: several attention-residual blocks even when tiny
+        cfg["attn_res_block_size"] = 2 if n < 8 else 4
     return cfg
 
 
@@ -280,7 +284,7 @@ def make_checkpoint(
         for name in names:
             if spec.family == "qwen3_5_moe" and _qwen3_5_init(name) is not None:
                 tensors[name] = _qwen3_5_init(name)(shape, gen)
-            elif t.group == NORM:
+            elif t.group == NORM and len(shape) == 1:  # norm weights start at one (K3's [1, hidden] residual projections do not)
                 tensors[name] = torch.ones(shape)
             else:
                 tensors[name] = torch.randn(shape, generator=gen) * std

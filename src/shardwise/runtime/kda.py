@@ -17,6 +17,9 @@ write strength β_t ∈ (0, 1):
   a depthwise causal conv (kernel 4, no bias) and SiLU; g = −exp(A_log) · softplus(f_b(f_a(x))
   + dt_bias) (low-rank forget gate, A_log per head, dt_bias per channel); β = sigmoid(b_proj(x));
   the output per head RMS-normalised (o_norm, over d_v) times sigmoid(g_b(g_a(x))), then o_proj.
+  Kimi K3 (Moonshot's ``modeling_kimi_linear.py``): the output gate is one full-rank g_proj(x)
+  (``use_full_rank_gate``) and g = gate_lower_bound · sigmoid(exp(A_log) · (f + dt_bias))
+  (``gate_lower_bound``: ``log_decay``).
 
 Tensor parallelism (vLLM's and SGLang's ``KimiDeltaAttention``): heads split over the ranks —
 q/k/v, their convs, f_b, g_b, b_proj, A_log and dt_bias by channel or head; f_a and g_a (the
@@ -64,11 +67,18 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def log_decay(raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Per-channel log-decay g = −exp(A_log) · softplus(raw + dt_bias), float32 [..., H, d_k]."""
+def log_decay(raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int,
+              lower_bound: float | None = None) -> torch.Tensor:
+    """Per-channel log-decay g = −exp(A_log) · softplus(raw + dt_bias), float32 [..., H, d_k]; with
+    ``lower_bound`` (Kimi K3's ``gate_lower_bound``, the "safe gate") g = lower_bound ·
+    sigmoid(exp(A_log) · (raw + dt_bias)), which keeps each step's decay above exp(lower_bound)
+    (flash-linear-attention ``fla/ops/kda/gate.py``, ``naive_kda_lowerbound_gate``)."""
     g = (raw.float() + dt_bias.float()).view(*raw.shape[:-1], -1, head_dim)
+    a = torch.exp(a_log.float().reshape(-1, 1))
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * g)
     softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
-    return -torch.exp(a_log.float().reshape(-1, 1)) * softplus
+    return -a * softplus
 
 
 def kda_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,16 +130,21 @@ class KimiDeltaAttention(nn.Module):
 
     recurrent = True  # per-sequence state: ``ShardedCausalLM.check_step_tokens`` sizes rollback by it
 
-    input_projections = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")  # read the layer input: one product once stacked (layers.stack_inputs)
-
     def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype, *, head_dim: int,
-                 kernel: int, eps: float, max_batch: int = 1, max_step_tokens: int = 1):
+                 kernel: int, eps: float, max_batch: int = 1, max_step_tokens: int = 1,
+                 lower_bound: float | None = None):
         super().__init__()
         t = tensors
-        for name in ("q_proj", "k_proj", "v_proj", "b_proj", "f_b_proj", "g_b_proj"):
+        self.full_rank_gate = "g_proj.weight" in t  # Kimi K3's use_full_rank_gate: one output-gate projection
+        gate = ("g_proj",) if self.full_rank_gate else ("g_a_proj",)
+        # the projections of the layer input: one product once stacked (layers.stack_inputs)
+        self.input_projections = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", *gate)
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj", "f_b_proj") + (gate if self.full_rank_gate else ("g_b_proj",)):
             setattr(self, name, ColumnParallelLinear(t[f"{name}.weight"], shard, dtype))
         self.f_a_proj = ReplicatedLinear(t["f_a_proj.weight"], shard, dtype)
-        self.g_a_proj = ReplicatedLinear(t["g_a_proj.weight"], shard, dtype)
+        if not self.full_rank_gate:
+            self.g_a_proj = ReplicatedLinear(t["g_a_proj.weight"], shard, dtype)
+        self.lower_bound = lower_bound
         self.o_proj = RowParallelLinear(t["o_proj.weight"], shard, dtype)
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
             setattr(self, name, nn.Module())
@@ -152,7 +167,7 @@ class KimiDeltaAttention(nn.Module):
         shape = (*q.shape[:-1], self.heads, self.head_dim)
         q = l2_normalize(q.float().reshape(shape)) * self.head_dim**-0.5
         k = l2_normalize(k.float().reshape(shape))
-        g = log_decay(f, self.A_log, self.dt_bias, self.head_dim)
+        g = log_decay(f, self.A_log, self.dt_bias, self.head_dim, self.lower_bound)
         return q, k, v.float().reshape(shape), g, torch.sigmoid(braw).float()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope=None,
@@ -161,9 +176,9 @@ class KimiDeltaAttention(nn.Module):
         ``positions`` [B, T] in cache slots ``slots``: the projections run on every row at once,
         the state protocol on each row alone, as a one-row call would (``attention.per_slot``)."""
         b, n, _ = x.shape
-        q, k, v, fa, braw, ga = project_inputs(self, x)
+        q, k, v, fa, braw, g = project_inputs(self, x)
         inputs = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # [b, C, n]
-        f, gate = self.f_b_proj(fa), self.g_b_proj(ga)
+        f, gate = self.f_b_proj(fa), (g if self.full_rank_gate else self.g_b_proj(g))
         if slots is None:
             out = self._mix(inputs, f, braw, positions, slice(0, b))
         else:

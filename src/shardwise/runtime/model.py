@@ -5,11 +5,13 @@ Module and parameter names follow the Hugging Face checkpoints (``model.layers.3
 like transformers' and the loader fills parameters by name. Families: ``llama``,
 ``qwen3_moe``, ``deepseek_v3`` (and Kimi K2, the same architecture), ``gpt_oss`` and
 ``kimi_linear`` (KDA linear-attention layers, ``runtime.kda``, + NoPE MLA layers + DeepSeek-style
-MoE; Kimi K3's extensions are refused by ``check_runnable``) and ``qwen3_5_moe`` (Gated DeltaNet +
-gated attention layers, gated shared expert: ``runtime.qwen3_5``, ``runtime.deltanet``).
+MoE; with Kimi K3's extensions: SiTU-GLU, the latent MoE, the MLA output gate, the full-rank and
+lower-bounded KDA gates, and attention residuals, ``DecoderLayer.forward_res``) and ``qwen3_5_moe``
+(Gated DeltaNet + gated attention layers, gated shared expert: ``runtime.qwen3_5``, ``runtime.deltanet``).
 
 Per layer and token: one all-reduce after attention and one after the MLP / MoE block
-(routed + shared experts + expert biases in the same one), both through
+(routed + shared experts + expert biases in the same one; K3's routed latent beside the shared
+output, finished after the sum: ``SparseMoE.finish``), both through
 ``layers.allreduce`` via the layer's ``reduce_attn`` / ``reduce_mlp`` hooks (which
 ``runtime.trace`` replaces with timed versions while tracing).
 """
@@ -28,6 +30,7 @@ from shardwise.runtime.attention import GQAttention, MLAttention
 from shardwise.runtime.deltanet import GatedDeltaNet
 from shardwise.runtime.kda import KimiDeltaAttention
 from shardwise.runtime.layers import (
+    ReplicatedLinear,
     RMSNorm,
     RotaryEmbedding,
     Shard,
@@ -37,41 +40,45 @@ from shardwise.runtime.layers import (
     rope_parameters,
     stack_inputs,
 )
-from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE
+from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE, activation
 from shardwise.runtime.packed_weights import quantization
 from shardwise.runtime.qwen3_5 import GatedAttention, OffsetRMSNorm, build_layer, rotary_dim
-from shardwise.spec.model import EMBEDDING, LM_HEAD, NORM, LayerSpec, ModelSpec, TensorSpec
+from shardwise.spec.model import EMBEDDING, LM_HEAD, LayerSpec, ModelSpec, TensorSpec
 
 SLOT_MIXERS = (GQAttention, MLAttention, KimiDeltaAttention, GatedDeltaNet, GatedAttention)
 """Mixers that take per-row cache slots and positions (``ShardedCausalLM.forward(ids, start, slots)``)."""
 
 RUNTIME_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_linear", "qwen3_5_moe")
 
-KIMI_K3_KEYS = (
-    "activation_situ_beta", "activation_situ_linear_beta", "attn_res_block_size", "latent_moe_use_norm",
-    "routed_expert_hidden_size", "mla_use_output_gate",
-)
-"""Kimi K3 config keys transformers' kimi_linear does not define (their math has no public definition
-the runtime could be checked against); with ``hidden_act`` "situ" and ``linear_attn_config``'s
-``use_full_rank_gate`` / ``gate_lower_bound`` they make ``check_runnable`` refuse the model."""
-
 
 def kimi_unsupported(cfg) -> list[str]:
-    """The settings of a kimi_linear config the runtime cannot run (empty: it runs it)."""
+    """The settings of a kimi_linear config the runtime cannot run (empty: it runs it). Kimi K3's
+    extensions (situ, attention residuals, latent MoE, the MLA output gate, the full-rank and
+    lower-bounded KDA gates) it runs, as Moonshot's ``modeling_kimi_linear.py`` defines them."""
     out = []
-    if cfg.get("hidden_act", "silu") != "silu":
+    if cfg.get("hidden_act", "silu") not in ("silu", "situ"):
         out.append(f"hidden_act '{cfg.get('hidden_act')}'")
-    for key in KIMI_K3_KEYS:
-        value = cfg.get(key)
-        if value is not None and value is not False and not (key == "routed_expert_hidden_size" and value == cfg.get("hidden_size")):
-            out.append(key)
-    lac = cfg.get("linear_attn_config") or {}
-    out += [f"linear_attn_config.{k}" for k in ("use_full_rank_gate", "gate_lower_bound") if lac.get(k) not in (None, False)]
     if cfg.get("mla_use_nope", True) is False:
         out.append("mla_use_nope false")
     if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         out.append(f"moe_router_activation_func '{cfg.get('moe_router_activation_func')}'")
     return out
+
+
+def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], norm: nn.Module, proj: nn.Module, eps: float) -> torch.Tensor:
+    """Kimi K3's attention residual: the running sum ``prefix`` [..., hidden] and the block snapshots
+    ``blocks`` mixed by a softmax over the candidates of ``(RMSNorm(v) · norm.weight · proj.weight)``,
+    in float32, cast back (Moonshot's ``_apply_attn_res``). The mix is summed candidate by
+    candidate, so a row's result does not depend on the other rows in the call."""
+    v = [b.float() for b in blocks] + [prefix.float()]
+    w = norm.weight.float() * proj.weight.float().reshape(-1)
+    scores = torch.stack([(c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps) * w).sum(-1) for c in v], dim=-1)
+    probs = scores.softmax(-1)
+    out = probs[..., 0:1] * v[0]
+    for j in range(1, len(v)):
+        out = out + probs[..., j : j + 1] * v[j]
+    return out.to(prefix.dtype)
+
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -112,10 +119,10 @@ def check_runnable(spec: ModelSpec, plan: ParallelPlan) -> None:
     cfg = spec.config
     if spec.family == "kimi_linear" and kimi_unsupported(cfg):
         raise ShardwiseError(
-            f"{spec.name} cannot be run: config.json sets {', '.join(kimi_unsupported(cfg))}, which transformers' "
-            "kimi_linear does not define and the runtime does not implement (Kimi K3's extensions); it can be planned"
+            f"{spec.name} cannot be run: config.json sets {', '.join(kimi_unsupported(cfg))}, which the runtime "
+            "does not implement; it can be planned"
         )
-    if spec.family != "gpt_oss" and cfg.get("hidden_act", "silu") != "silu":
+    if spec.family not in ("gpt_oss", "kimi_linear") and cfg.get("hidden_act", "silu") != "silu":
         raise ShardwiseError(f"config.json hidden_act '{cfg.get('hidden_act')}' is not supported: the runtime runs silu")
     if spec.family == "qwen3_5_moe" and cfg.get("attention_bias", False):
         raise ShardwiseError("config.json attention_bias true is not supported for qwen3_5_moe: use false")
@@ -164,11 +171,12 @@ class DecoderLayer(nn.Module):
         if layer.attention == "kda":
             la = spec.linear_attention
             assert la is not None
+            bound = (cfg.get("linear_attn_config") or {}).get("gate_lower_bound")
             self.self_attn = KimiDeltaAttention(
                 attn, shard, dtype, head_dim=la.key_head_dim, kernel=la.conv_kernel, eps=eps, max_batch=max_batch,
-                max_step_tokens=max_step_tokens,
+                max_step_tokens=max_step_tokens, lower_bound=None if bound is None else float(bound),
             )
-        elif layer.attention == "mla":
+        elif layer.attention in ("mla", "gated_mla"):
             mla = spec.mla
             assert mla is not None
             scaling = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
@@ -192,8 +200,9 @@ class DecoderLayer(nn.Module):
         mlp = _local(layer.tensors, f"model.layers.{layer.index}.mlp.") or _local(
             layer.tensors, f"model.layers.{layer.index}.block_sparse_moe."  # Kimi Linear's checkpoint name
         )
+        act = activation(cfg)
         if layer.mlp == "dense":
-            self.mlp = DenseMLP(mlp, shard, dtype)
+            self.mlp = DenseMLP(mlp, shard, dtype, act)
         elif gpt_oss:
             assert spec.moe is not None
             alpha, limit = float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))
@@ -201,7 +210,13 @@ class DecoderLayer(nn.Module):
         else:
             assert spec.moe is not None
             router_dtype = dt.of(mlp["gate.weight"])
-            self.mlp = SparseMoE(mlp, spec.moe, shard, dtype, router_dtype, quantization(spec))
+            self.mlp = SparseMoE(mlp, spec.moe, shard, dtype, router_dtype, quantization(spec), act, eps)
+        self.attn_res_block = cfg.get("attn_res_block_size")  # Kimi K3's attention residuals (forward_res)
+        if self.attn_res_block is not None:
+            self.index, self.eps = layer.index, eps
+            for stem in ("self_attention_res", "mlp_res"):
+                setattr(self, f"{stem}_norm", RMSNorm(t[f"{stem}_norm.weight"], shard, dtype, eps))
+                setattr(self, f"{stem}_proj", ReplicatedLinear(t[f"{stem}_proj.weight"], shard, dtype))
 
         # The two all-reduce hooks: the plain ``layers.allreduce`` unless a ``trace.Tracer``
         # swaps in timed versions (and puts these back when it detaches).
@@ -214,9 +229,35 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, hidden] at ``positions`` [T], or with ``slots`` (``ShardedCausalLM.supports_slots``
         models only) at ``positions`` [B, T] in those cache slots."""
+        h = x + self._attention(x, positions, rope, slots)
+        return h + self._mlp(h)
+
+    def _attention(self, x: torch.Tensor, positions: torch.Tensor, rope, slots: list[int] | None) -> torch.Tensor:
+        """The token mixer's output on ``norm(x)``, summed over the ranks."""
         per_row = () if slots is None else (slots,)
-        h = x + self.reduce_attn(self.self_attn(self.input_layernorm(x), positions, rope, *per_row).contiguous())
-        return h + self.reduce_mlp(self.mlp(self.post_attention_layernorm(h)).contiguous())
+        return self.reduce_attn(self.self_attn(self.input_layernorm(x), positions, rope, *per_row).contiguous())
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP / MoE output on ``norm(h)``, summed over the ranks (a latent MoE finishes after the sum)."""
+        out = self.reduce_mlp(self.mlp(self.post_attention_layernorm(h)).contiguous())
+        return self.mlp.finish(out) if getattr(self.mlp, "latent", False) else out
+
+    def forward_res(
+        self, prefix: torch.Tensor, blocks: list[torch.Tensor], positions: torch.Tensor, rope,
+        slots: list[int] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Kimi K3's layer with attention residuals (Moonshot's ``_forward_attn_residual``): the input
+        of each block is a learned mix of the block snapshots and the running sum ``prefix``; a layer
+        opening a block of ``attn_res_block_size`` snapshots ``prefix`` and restarts the sum.
+        Returns (the running sum after this layer, the snapshots)."""
+        h = attn_res_mix(prefix, blocks, self.self_attention_res_norm, self.self_attention_res_proj, self.eps) if blocks else prefix
+        running: torch.Tensor | None = prefix
+        if self.index % self.attn_res_block == 0:
+            blocks, running = [*blocks, prefix], None
+        a = self._attention(h, positions, rope, slots)
+        running = a if running is None else running + a
+        h = attn_res_mix(running, blocks, self.mlp_res_norm, self.mlp_res_proj, self.eps)
+        return running + self._mlp(h), blocks
 
 
 class ShardedCausalLM(nn.Module):
@@ -267,7 +308,7 @@ class ShardedCausalLM(nn.Module):
         shard = self.shard = Shard(plan, rank)
         dt = _Dtyped(spec, dtype)
         glob = {t.group: t for t in spec.globals if t.group in (EMBEDDING, LM_HEAD)}
-        norm = next(t for t in spec.globals if t.group == NORM)
+        norm = next(t for t in spec.globals if t.name.endswith(".norm.weight"))  # the final norm
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(glob[EMBEDDING], shard, dtype)
         self.model.layers = nn.ModuleList(
@@ -276,6 +317,11 @@ class ShardedCausalLM(nn.Module):
         self.model.norm = (OffsetRMSNorm if spec.family == "qwen3_5_moe" else RMSNorm)(
             norm, shard, dt.of(norm), spec.rms_norm_eps, spec.family == "gpt_oss"
         )
+        self.attn_res = spec.config.get("attn_res_block_size") is not None
+        if self.attn_res:  # Kimi K3: the last mix of the snapshots and the running sum, before the norm
+            out = {t.name.removeprefix("model."): t for t in spec.globals if "output_attn_res" in t.name}
+            self.model.output_attn_res_norm = RMSNorm(out["output_attn_res_norm.weight"], shard, dtype, spec.rms_norm_eps)
+            self.model.output_attn_res_proj = ReplicatedLinear(out["output_attn_res_proj.weight"], shard, dtype)
         self.lm_head = VocabParallelLMHead(glob.get(LM_HEAD), shard, dtype, tied=self.model.embed_tokens)
         rope_dim = spec.mla.qk_rope_head_dim if spec.mla is not None else rotary_dim(spec)  # partial rotary
         self.rotary = RotaryEmbedding(rope_parameters(spec.config), rope_dim, max_seq_len, spec.max_position_embeddings)
@@ -318,6 +364,13 @@ class ShardedCausalLM(nn.Module):
              slots: list[int] | None) -> torch.Tensor:
         """Embedding, the layers and the final norm of ``ids`` at ``positions`` (in ``slots``)."""
         h = self.model.embed_tokens(ids)
+        if self.attn_res:
+            blocks: list[torch.Tensor] = []
+            for layer in self.model.layers:
+                h, blocks = layer.forward_res(h, blocks, positions, rope, slots)
+            m = self.model
+            h = attn_res_mix(h, blocks, m.output_attn_res_norm, m.output_attn_res_proj, self.spec.rms_norm_eps)
+            return m.norm(h)
         for layer in self.model.layers:
             h = layer(h, positions, rope, slots)
         return self.model.norm(h)

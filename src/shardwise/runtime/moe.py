@@ -22,6 +22,8 @@ dequantized outlives the call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +32,8 @@ from shardwise.plan import local_experts
 from shardwise.quant.layouts import BYTES_PER_BLOCK
 from shardwise.runtime.layers import (
     ColumnParallelLinear,
+    ReplicatedLinear,
+    RMSNorm,
     RowParallelLinear,
     Shard,
     linear,
@@ -41,20 +45,54 @@ from shardwise.runtime.packed_weights import BLOCKS, NONE, SCALES, Quantization,
 from shardwise.spec.model import MoESpec, TensorSpec
 
 
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""A gated MLP's activation of its (gate, up) products."""
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(gate) · up``."""
+    return F.silu(gate) * up
+
+
+def situ_and_mul(beta: float, linear_beta: float | None) -> Activation:
+    """Kimi K3's SiTU-GLU (``hidden_act: situ``): ``β tanh(gate/β) · sigmoid(gate) · up``, ``up``
+    first squashed to ``β_l tanh(up/β_l)`` when ``activation_situ_linear_beta`` is set; in float32,
+    cast back. The definition: Moonshot's ``modeling_kimi_linear.py`` ``SituAndMul`` (as transcribed
+    in vLLM's and SGLang's kimi_k3 models)."""
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g, u = gate.float(), up.float()
+        g = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+        if linear_beta is not None:
+            u = linear_beta * torch.tanh(u / linear_beta)
+        return (g * u).to(gate.dtype)
+
+    return act
+
+
+def activation(config) -> Activation:
+    """The gated activation a config's ``hidden_act`` names (silu, or Kimi K3's situ)."""
+    if config.get("hidden_act", "silu") == "situ":
+        return situ_and_mul(float(config.get("activation_situ_beta") or 1.0), config.get("activation_situ_linear_beta"))
+    return silu_and_mul
+
+
 class DenseMLP(nn.Module):
-    """SwiGLU ``down(silu(gate(x)) · up(x))``: gate/up column-parallel, down row-parallel."""
+    """Gated MLP ``down(act(gate(x), up(x)))`` (SwiGLU unless ``act`` says otherwise): gate/up
+    column-parallel, down row-parallel."""
 
     input_projections = ("gate_proj", "up_proj")  # read the layer input: one product once stacked (layers.stack_inputs)
 
-    def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype):
+    def __init__(self, tensors: dict[str, TensorSpec], shard: Shard, dtype: torch.dtype, act: Activation = silu_and_mul):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(tensors["gate_proj.weight"], shard, dtype)
         self.up_proj = ColumnParallelLinear(tensors["up_proj.weight"], shard, dtype)
         self.down_proj = RowParallelLinear(tensors["down_proj.weight"], shard, dtype)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project_inputs(self, x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate, up))
 
 
 class ExpertLinear(nn.Module):
@@ -87,16 +125,17 @@ class Expert(nn.Module):
     projections named as in the checkpoint (``EXPERT_NAMES``)."""
 
     def __init__(self, tensors: dict[str, TensorSpec], e: int, shard: Shard, dtype: torch.dtype,
-                 quant: Quantization = NONE):
+                 quant: Quantization = NONE, act: Activation = silu_and_mul):
         super().__init__()
         self.parts = next(names for names in EXPERT_NAMES if f"{names[0]}.weight" in tensors)
         for name in self.parts:
             setattr(self, name, ExpertLinear(tensors[f"{name}.weight"], e, shard, dtype, quant))
         self.input_projections = self.parts[:2]  # gate, up: one product once stacked (MXFP4 experts keep their blocks)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project_inputs(self, x)
-        return getattr(self, self.parts[2])(F.silu(gate) * up)
+        return getattr(self, self.parts[2])(self.act(gate, up))
 
 
 class Router(nn.Module):
@@ -149,41 +188,75 @@ def _dispatch(index: torch.Tensor, experts: range):
 
 
 class SparseMoE(nn.Module):
-    """Routed experts stored one module per expert (Qwen3-MoE, DeepSeek-V3), optional shared experts.
+    """Routed experts stored one module per expert (Qwen3-MoE, DeepSeek-V3, Kimi), optional shared experts.
 
     ``experts`` is keyed by the global expert id, so parameter names equal the
     checkpoint's ``mlp.experts.{e}.gate_proj.weight``; this rank holds only its own.
+
+    Kimi K3's latent MoE (``routed_expert_down_proj`` in ``tensors``): the routed experts work on
+    ``down(x)`` (``routed_expert_hidden_size`` wide), their weighted sum is taken in float32, RMS-
+    normalised (``routed_expert_norm``) and projected back by ``up``; the shared experts read x.
+    The norm needs the sum over every expert, so ``forward`` returns this rank's partial routed
+    latent beside its partial shared output (one all-reduce carries both, as vLLM's kimi_k3
+    LatentMoERunner does) and ``finish`` turns the reduced pair into the block's output; down, up
+    and the norm are whole on every rank. Moonshot's ``modeling_kimi_linear.py``
+    ``KimiSparseMoeBlock`` defines the math.
     """
 
     def __init__(
         self, tensors: dict[str, TensorSpec], moe: MoESpec, shard: Shard, dtype: torch.dtype, router_dtype: torch.dtype,
-        quant: Quantization = NONE,
+        quant: Quantization = NONE, act: Activation = silu_and_mul, eps: float = 1e-6,
     ):
         super().__init__()
         self.gate = Router(tensors, "gate", moe, shard, router_dtype)
         templates = {k.removeprefix("experts.{e}."): v for k, v in tensors.items() if k.startswith("experts.{e}.")}
         self.local = local_experts(moe.num_experts, shard.plan, shard.tp_rank)
-        self.experts = nn.ModuleDict({str(e): Expert(templates, e, shard, dtype, quant) for e in self.local})
+        self.experts = nn.ModuleDict({str(e): Expert(templates, e, shard, dtype, quant, act) for e in self.local})
         shared = {k.removeprefix("shared_experts."): v for k, v in tensors.items() if k.startswith("shared_experts.")}
-        self.shared_experts = DenseMLP(shared, shard, dtype) if shared else None
+        self.shared_experts = DenseMLP(shared, shard, dtype, act) if shared else None
+        self.latent = "routed_expert_down_proj.weight" in tensors
+        if self.latent:
+            self.routed_expert_down_proj = ReplicatedLinear(tensors["routed_expert_down_proj.weight"], shard, dtype)
+            self.routed_expert_up_proj = ReplicatedLinear(tensors["routed_expert_up_proj.weight"], shard, dtype)
+            norm = tensors.get("routed_expert_norm.weight")
+            self.routed_expert_norm = RMSNorm(norm, shard, dtype, eps) if norm is not None else None
+
+    def _routed(self, flat: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight,
+        added in ascending expert order."""
+        if flat.shape[0] == 1:  # a decode step: its k experts in the same order and sums, without the dispatch's lookups
+            picked = sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in self.local)
+            for e, slot in picked:
+                out.add_((self.experts[str(e)](flat) * weights[:, slot, None]).to(out.dtype))
+            return out
+        for e, token, slot in _dispatch(index, self.local):
+            y = self.experts[str(e)](flat[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         index, weights = self.gate(flat)
-        out = torch.zeros_like(flat)
-        if flat.shape[0] == 1:  # a decode step: its k experts in the same order and sums, without the dispatch's lookups
-            picked = sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in self.local)
-            for e, slot in picked:
-                out.add_((self.experts[str(e)](flat) * weights[:, slot, None]).to(out.dtype))
-        else:
-            for e, token, slot in _dispatch(index, self.local):
-                y = self.experts[str(e)](flat[token]) * weights[token, slot, None]
-                out.index_add_(0, token, y.to(out.dtype))
-        out = out.view(shape)
+        if self.latent:
+            lat = self.routed_expert_down_proj(flat)
+            parts = [self._routed(lat, index, weights, torch.zeros(lat.shape, dtype=torch.float32)).to(x.dtype)]
+            if self.shared_experts is not None:
+                parts.append(self.shared_experts(flat))
+            return torch.cat(parts, dim=-1).view(*shape[:-1], -1)
+        out = self._routed(flat, index, weights, torch.zeros_like(flat)).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def finish(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The latent block's output from the all-reduced ``forward``: ``up(norm(routed)) + shared``."""
+        width = self.routed_expert_down_proj.weight.shape[0]
+        routed, shared = reduced[..., :width], reduced[..., width:]
+        if self.routed_expert_norm is not None:
+            routed = self.routed_expert_norm(routed)
+        out = self.routed_expert_up_proj(routed)
+        return out + shared if self.shared_experts is not None else out
 
 
 class FusedExperts(nn.Module):

@@ -302,11 +302,15 @@ def _build_qwen3_5_moe(cfg: Config) -> dict[str, Any]:
 def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
     """Kimi K3 / Kimi Linear: KDA linear-attention layers + (gated) MLA layers, latent MoE.
 
-    Tensor names follow transformers' kimi_linear. Two choices the config does not pin down,
-    taken so the totals match the published checkpoint (1453.7 GiB, dense trunk 108.81 GB):
-    ``use_full_rank_gate`` makes the KDA forget gate one full-rank [heads·dim, hidden]
-    projection (f_proj) while the output gate stays low rank (g_a/g_b); the latent down/up
-    projections and the latent norm stay BF16 with the rest of the non-expert weights.
+    Tensor names follow transformers' kimi_linear and, for Kimi K3's extensions, Moonshot's
+    ``modeling_kimi_linear.py`` (public transcriptions: vLLM's and SGLang's kimi_k3 models, the
+    MLX and tinygrad ports): ``use_full_rank_gate`` makes the KDA output gate one full-rank
+    [heads·dim, hidden] projection (g_proj), the forget gate staying low rank (f_a/f_b);
+    ``mla_use_output_gate`` adds g_proj to MLA; ``routed_expert_hidden_size`` runs the routed
+    experts in a latent space (routed_expert_down/up_proj, routed_expert_norm); ``attn_res_block_size``
+    gives every layer two attention-residual norms and [1, hidden] projections and the model one
+    more pair (output_attn_res_*). The latent projections and norms stay BF16 with the rest of the
+    non-expert weights (the published checkpoint: 1453.7 GiB, dense trunk 108.81 GB).
     """
     hidden, heads, n_layers = cfg.int("hidden_size"), cfg.int("num_attention_heads"), cfg.int("num_hidden_layers")
     inter, moe_inter = cfg.int("intermediate_size"), cfg.int("moe_intermediate_size")
@@ -325,6 +329,7 @@ def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
     full_rank_gate = bool(lac.get("use_full_rank_gate", False))
     full_layers = {i - 1 for i in lac.get("full_attn_layers", [])}  # the config is 1-based
     gated_mla = bool(cfg.get("mla_use_output_gate", False))
+    attn_res = cfg.get("attn_res_block_size") is not None
     la = LinearAttentionSpec(
         num_key_heads=kda_heads, num_value_heads=kda_heads, key_head_dim=kda_dim, value_head_dim=kda_dim,
         conv_kernel=conv,
@@ -366,12 +371,14 @@ def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
         else:
             tensors += swiglu(m, hidden, inter, DENSE_MLP)
         tensors += layer_norms(p, hidden)
+        if attn_res:
+            tensors += attn_res_tensors(p + "self_attention_res", hidden) + attn_res_tensors(p + "mlp_res", hidden)
         layers.append(LayerSpec(i, kind, "moe" if moe else "dense", tuple(tensors)))
     moe_spec = MoESpec(
         num_experts=n_exp, top_k=top_k, shared_experts=n_shared, intermediate_size=moe_inter,
         shared_intermediate_size=moe_inter * n_shared, routing="sigmoid_grouped",
         n_group=cfg.int("num_expert_group", 1), topk_group=cfg.int("topk_group", 1),
-        norm_topk_prob=bool(cfg.get("moe_renormalize", True)),
+        norm_topk_prob=bool(cfg.get("moe_renormalize", True)) and top_k > 1,  # Moonshot renormalises only k > 1
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
         latent_size=latent if latent != hidden else None,
     )
@@ -379,7 +386,15 @@ def _build_kimi_linear(cfg: Config) -> dict[str, Any]:
         family="kimi_linear", float32_groups=(ROUTER,), num_layers=n_layers, num_heads=heads, num_kv_heads=heads,
         head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, intermediate_size=inter, layers=tuple(layers),
         moe=moe_spec, mla=mla, linear_attention=la,
+        extra_globals=tuple(attn_res_tensors("model.output_attn_res", hidden)) if attn_res else (),
     )
+
+
+def attn_res_tensors(stem: str, hidden: int) -> list[TensorSpec]:
+    """Kimi K3's attention residual at one point: an RMSNorm weight and a [1, hidden] score
+    projection (``{stem}_norm`` / ``{stem}_proj``: per layer ``self_attention_res`` and ``mlp_res``,
+    the model's ``output_attn_res``), replicated on every rank."""
+    return [norm(stem + "_norm.weight", hidden), rep(stem + "_proj.weight", (1, hidden), NORM)]
 
 
 BUILDERS = {

@@ -182,8 +182,9 @@ def gated_deltanet_tensors(prefix: str, hidden: int, la: LinearAttentionSpec) ->
 def kda_tensors(prefix: str, hidden: int, la: LinearAttentionSpec, full_rank_gate: bool = False) -> list[TensorSpec]:
     """Kimi Delta Attention (transformers' kimi_linear names): q/k/v and their short convs split by
     heads; the low-rank gate down-projections replicated, their up-projections split;
-    ``full_rank_gate`` makes the forget gate one full-rank projection (f_proj); ``dt_bias`` held
-    in float32 (``TensorSpec.keep_float32``)."""
+    ``full_rank_gate`` (Kimi K3) makes the output gate one full-rank projection (g_proj) in place of
+    g_a/g_b, the forget gate staying low rank (Moonshot's modeling_kimi_linear.py,
+    KimiDeltaAttention: ``use_full_rank_gate``); ``dt_bias`` held in float32 (``TensorSpec.keep_float32``)."""
     heads, dim = la.num_value_heads, la.value_head_dim
     qkv = heads * dim
     out = [
@@ -193,18 +194,18 @@ def kda_tensors(prefix: str, hidden: int, la: LinearAttentionSpec, full_rank_gat
         TensorSpec(prefix + "q_conv1d.weight", (qkv, 1, la.conv_kernel), LINEAR_ATTENTION, tp_dim=0, tp_unit=dim),
         TensorSpec(prefix + "k_conv1d.weight", (qkv, 1, la.conv_kernel), LINEAR_ATTENTION, tp_dim=0, tp_unit=dim),
         TensorSpec(prefix + "v_conv1d.weight", (qkv, 1, la.conv_kernel), LINEAR_ATTENTION, tp_dim=0, tp_unit=dim),
+        rep(prefix + "f_a_proj.weight", (dim, hidden), LINEAR_ATTENTION),
+        col(prefix + "f_b_proj.weight", qkv, dim, LINEAR_ATTENTION, dim),
+        col(prefix + "b_proj.weight", heads, hidden, LINEAR_ATTENTION),
     ]
     if full_rank_gate:
-        out.append(col(prefix + "f_proj.weight", qkv, hidden, LINEAR_ATTENTION, dim))
+        out.append(col(prefix + "g_proj.weight", qkv, hidden, LINEAR_ATTENTION, dim))
     else:
         out += [
-            rep(prefix + "f_a_proj.weight", (dim, hidden), LINEAR_ATTENTION),
-            col(prefix + "f_b_proj.weight", qkv, dim, LINEAR_ATTENTION, dim),
+            rep(prefix + "g_a_proj.weight", (dim, hidden), LINEAR_ATTENTION),
+            col(prefix + "g_b_proj.weight", qkv, dim, LINEAR_ATTENTION, dim),
         ]
     return out + [
-        col(prefix + "b_proj.weight", heads, hidden, LINEAR_ATTENTION),
-        rep(prefix + "g_a_proj.weight", (dim, hidden), LINEAR_ATTENTION),
-        col(prefix + "g_b_proj.weight", qkv, dim, LINEAR_ATTENTION, dim),
         TensorSpec(prefix + "A_log", (1, 1, heads, 1), LINEAR_ATTENTION, tp_dim=2),  # stored [1, 1, heads, 1]
         # dt_bias in float32 in any run dtype (transformers' _keep_in_fp32_modules_strict); A_log is not
         TensorSpec(prefix + "dt_bias", (qkv,), LINEAR_ATTENTION, tp_dim=0, tp_unit=dim, keep_float32=True),

@@ -104,6 +104,7 @@ def parse_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     prefix = spec_kwargs.pop("prefix", "model.")
     globals_ = [TensorSpec(f"{prefix}embed_tokens.weight", (vocab, hidden), EMBEDDING, tp_dim=0, tp_pad=True)]
     globals_.append(TensorSpec(f"{prefix}norm.weight", (hidden,), NORM))
+    globals_ += spec_kwargs.pop("extra_globals", ())  # e.g. Kimi K3's output attention residual
     if not tie:
         globals_.append(TensorSpec("lm_head.weight", (vocab, hidden), LM_HEAD, tp_dim=0, tp_pad=True))
     dtype = _dtype_name(data.get("torch_dtype") or data.get("dtype") or config.get("torch_dtype") or "bfloat16")
