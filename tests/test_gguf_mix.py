@@ -77,6 +77,20 @@ def test_seventy_b_file_size_and_mix():
     assert kinds["q_proj"] == {"Q4_K"} and kinds["lm_head"] == {"Q6_K"} and kinds["embed_tokens"] == {"Q4_K"}
 
 
+@pytest.mark.parametrize("name, published_gb", [("gpt-oss-20b", 12.1), ("gpt-oss-120b", 63.4)])
+def test_mxfp4_moe_file_size(name, published_gb):
+    """MXFP4_MOE (ggml-org's gpt-oss GGUFs): experts MXFP4, every other matrix Q8_0 (embedding and LM
+    head too), vectors and the router F32: the published files' sizes (their Hugging Face pages, in
+    GB), where the checkpoint's own BF16 beside the experts would be 1.7 GB (20b) and 1.9 GB (120b) more."""
+    model = load_model(name)
+    kinds = {}
+    for t, _, ggml in gguf_mix.tensor_types(model, "MXFP4_MOE"):
+        kinds.setdefault(t.group, set()).add(ggml)
+    assert kinds["routed_experts"] >= {"MXFP4"} and kinds["attention"] >= {"Q8_0"} and kinds["router"] == {"F32"}
+    assert kinds["lm_head"] == {"Q8_0"} and kinds["embedding"] == {"Q8_0"}
+    assert model.weight_bytes(gguf_mix.group_bits(model, "mxfp4_moe")) / 1e9 == pytest.approx(published_gb, abs=0.06)
+
+
 def test_plan_prices_the_mix_and_refuses_a_partial_one():
     """``plan --quant gguf-q4_k_m`` reads the mix's bytes (LM head at Q6_K, not bf16), and a GGUF
     file type given for one group only is refused in one line."""

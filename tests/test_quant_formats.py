@@ -25,7 +25,7 @@ EXPECTED_BITS = {
     # GGUF file types: the default type's bits (ggml-common.h); a model's own mix is quant.gguf_mix's
     "gguf-q2_k": 84 * 8 / 256, "gguf-q3_k_s": 110 * 8 / 256, "gguf-q3_k_m": 110 * 8 / 256,
     "gguf-q3_k_l": 110 * 8 / 256, "gguf-q4_0": 4.5, "gguf-q4_k_s": 4.5, "gguf-q4_k_m": 4.5, "gguf-q5_k_s": 5.5,
-    "gguf-q5_k_m": 5.5, "gguf-q6_k": 210 * 8 / 256, "gguf-q8_0": 8.5,
+    "gguf-q5_k_m": 5.5, "gguf-q6_k": 210 * 8 / 256, "gguf-q8_0": 8.5, "gguf-mxfp4_moe": 4.25,
 }
 
 

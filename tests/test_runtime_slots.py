@@ -35,6 +35,7 @@ ARCHS = {  # catalog model → make_checkpoint overrides
     "deepseek-v3": {},
     "gpt-oss-20b": {"sliding_window": 4},
     "kimi-linear-48b-a3b": {},
+    "kimi-k3": {},  # attention residuals, latent MoE, gated MLA: each row's mix runs alone
     "qwen3.5-397b-a17b": {},
 }
 MAX_BATCH, MAX_SEQ_LEN, CHUNK = 3, 24, 4

@@ -159,18 +159,23 @@ _FORMATS = (
 )
 
 _GGUF_MIXES = (  # (file type, what llama.cpp's quantizer does beyond the default type)
-    ("Q2_K", "attn_v Q4_K (GQA >= 4) or Q3_K, ffn_down and attn_output Q3_K"),
-    ("Q3_K_S", "Q3_K throughout"),
+    ("Q2_K", "attn_v Q4_K (GQA >= 4) or Q3_K, ffn_down and attn_output Q3_K; LM head Q6_K"),
+    ("Q3_K_S", "Q3_K throughout; LM head Q6_K"),
     ("Q3_K_M", "attn_v Q5_K in the first two layers then Q4_K, ffn_down Q5_K in the first 1/16 then Q4_K, "
-               "attn_output Q4_K"),
-    ("Q3_K_L", "attn_v, ffn_down and attn_output Q5_K"),
-    ("Q4_0", "Q4_0 throughout"),
-    ("Q4_K_S", "attn_v Q5_K in the first four layers, ffn_down Q5_K in the first 1/8"),
-    ("Q4_K_M", "attn_v and ffn_down Q6_K in the first and last 1/8 of the layers and every third between"),
-    ("Q5_K_S", "Q5_K throughout"),
-    ("Q5_K_M", "attn_v and ffn_down Q6_K in the first and last 1/8 of the layers and every third between"),
+               "attn_output Q4_K; LM head Q6_K"),
+    ("Q3_K_L", "attn_v, ffn_down and attn_output Q5_K; LM head Q6_K"),
+    ("Q4_0", "Q4_0 throughout; LM head Q6_K"),
+    ("Q4_K_S", "attn_v Q5_K in the first four layers, ffn_down Q5_K in the first 1/8; LM head Q6_K"),
+    ("Q4_K_M", "attn_v and ffn_down Q6_K in the first and last 1/8 of the layers and every third between; "
+               "LM head Q6_K"),
+    ("Q5_K_S", "Q5_K throughout; LM head Q6_K"),
+    ("Q5_K_M", "attn_v and ffn_down Q6_K in the first and last 1/8 of the layers and every third between; "
+               "LM head Q6_K"),
     ("Q6_K", "Q6_K throughout"),
     ("Q8_0", "Q8_0 throughout, the LM head too"),
+    ("MXFP4_MOE", "routed experts MXFP4, every other matrix (embedding and LM head too) Q8_0: the file type of "
+                  "ggml-org's gpt-oss GGUFs (gpt-oss-20b-mxfp4.gguf 12.1 GB, gpt-oss-120b 63.4 GB on their "
+                  "Hugging Face pages; the planner's bytes: 12.10 and 63.37 GB)"),
 )
 
 
@@ -178,9 +183,9 @@ def _gguf_format(ftype: str, rules: str) -> QuantFormat:
     default = gguf_mix.FTYPE_DEFAULT[ftype]
     per_block, nbytes = gguf_mix.GGML_TYPES[default]
     return QuantFormat(
-        f"gguf-{ftype.lower()}", gguf_mix.bits(default), per_block, 16,
+        f"gguf-{ftype.lower()}", gguf_mix.bits(default), per_block, 16 if default != "MXFP4" else 8,
         f"GGUF file type {ftype} as llama.cpp's quantizer writes it: {default} ({nbytes} bytes per {per_block} "
-        f"weights) by default; {rules}; LM head Q6_K (Q8_0 when rows are not whole blocks), a tied embedding "
+        f"weights) by default; {rules}; the LM head Q8_0 when its rows are not whole blocks, a tied embedding "
         "as the LM head, norms and router F32. Priced per tensor for each model (quant.gguf_mix); the bits "
         "here are the default type's",
         f"{_GGML}; ggml-org/llama.cpp src/llama-quant.cpp (llama_tensor_get_type_impl)", ftype,
