@@ -49,27 +49,30 @@ def _row_terms(row: ResolvedRow, profile: RuntimeProfile):
     return terms, tokens, hw.network, len(terms.memory_s) - 1  # the LM head is the last column
 
 
-def _ape_grid(rows: list[ResolvedRow], prior: RuntimeProfile) -> tuple[np.ndarray, bool]:
-    """APE (%) of every row on the grid mem_eff x step_overhead x collective_overhead x layer_overhead:
-    [rows, E, O, K, L]; and whether any row crosses a network (else the per-call overhead is not identifiable)."""
-    out, networked = [], False
-    for r in rows:
-        terms, tokens, network, layers = _row_terms(r, prior)
-        networked |= bool(network) and r.plan.world_size > 1
-        comp = terms.compute_s / prior.compute_efficiency
-        layers_s = np.maximum(terms.memory_s[None, :] / MEM_EFFICIENCY_GRID[:, None], comp[None, :]).sum(axis=1)
-        coll = terms.collective_s + terms.collectives * COLLECTIVE_OVERHEAD_GRID_S * (1.0 if network else 0.0)
-        overhead = overhead_seconds(STEP_OVERHEAD_GRID_S[:, None], LAYER_OVERHEAD_GRID_S[None, :], layers)
-        step = layers_s[:, None, None, None] + overhead[None, :, None, :] + coll[None, None, :, None]
-        out.append(np.abs(tokens / step - r.measurement.decode_tok_s) / r.measurement.decode_tok_s * 100)
-    return np.stack(out), networked
+def _row_ape_grid(r: ResolvedRow, prior: RuntimeProfile) -> tuple[np.ndarray, bool]:
+    """APE (%) of one row on the grid mem_eff x step_overhead x collective_overhead x layer_overhead
+    [E, O, K, L], and whether the row crosses a network."""
+    terms, tokens, network, layers = _row_terms(r, prior)
+    comp = terms.compute_s / prior.compute_efficiency
+    layers_s = np.maximum(terms.memory_s[None, :] / MEM_EFFICIENCY_GRID[:, None], comp[None, :]).sum(axis=1)
+    coll = terms.collective_s + terms.collectives * COLLECTIVE_OVERHEAD_GRID_S * (1.0 if network else 0.0)
+    overhead = overhead_seconds(STEP_OVERHEAD_GRID_S[:, None], LAYER_OVERHEAD_GRID_S[None, :], layers)
+    step = layers_s[:, None, None, None] + overhead[None, :, None, :] + coll[None, None, :, None]
+    ape_grid = np.abs(tokens / step - r.measurement.decode_tok_s) / r.measurement.decode_tok_s * 100
+    return ape_grid, bool(network) and r.plan.world_size > 1
 
 
-def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfile:
+def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow], memo: dict | None = None) -> RuntimeProfile:
     """Fit ``prior``'s factors on ``rows``: a joint grid over memory efficiency, step overhead,
     per-collective overhead and per-layer overhead minimising the median APE of decode tok/s (ties to the earliest grid
-    point), then compute efficiency on the rows' prefill tok/s."""
-    apes, networked = _ape_grid(rows, prior)
+    point), then compute efficiency on the rows' prefill tok/s. ``memo`` (a dict the caller keeps)
+    holds each row's grid and prefill layout across fits of the same prior on overlapping rows."""
+    memo = {} if memo is None else memo
+    for r in rows:
+        if ("grid", id(r)) not in memo:
+            memo["grid", id(r)] = _row_ape_grid(r, prior)
+    grids = [memo["grid", id(r)] for r in rows]
+    apes, networked = np.stack([g for g, _ in grids]), any(n for _, n in grids)
     grid = np.median(apes, axis=0)
     if not networked:
         grid = grid[:, :, :1]  # no network row: the per-call overhead is not identifiable, keep 0
@@ -83,7 +86,9 @@ def fit_profile(prior: RuntimeProfile, rows: list[ResolvedRow]) -> RuntimeProfil
         cases = []  # (row, scenario, layout table): the bytes do not depend on the profile, so built once
         for r in prefill_rows:
             sc = replace(scenario_of(r, best), prompt_tokens=r.measurement.prompt_tokens)
-            cases.append((r, sc, layout_table(sc.model, sc.plan, formats_bits(sc.formats, sc.model), sc.kv_bytes)))
+            if ("table", id(r)) not in memo:
+                memo["table", id(r)] = layout_table(sc.model, sc.plan, formats_bits(sc.formats, sc.model), sc.kv_bytes)
+            cases.append((r, sc, memo["table", id(r)]))
 
         def prefill_ape(p: RuntimeProfile) -> float:
             return statistics.median(
@@ -103,6 +108,7 @@ def leave_one_source_out(rows: list[ResolvedRow]) -> dict[str, float | None]:
     of the row's profile to fit on."""
     profiles = load_profiles()
     out: dict[str, float | None] = {}
+    memos: dict[str, dict] = {}  # per profile: each row's grid and prefill layout, computed once for all folds
     for source in sorted({r.measurement.source for r in rows}):
         fitted: dict[str, RuntimeProfile | None] = {}
         for r in (r for r in rows if r.measurement.source == source):
@@ -111,7 +117,8 @@ def leave_one_source_out(rows: list[ResolvedRow]) -> dict[str, float | None]:
                 continue
             if r.profile not in fitted:
                 train = [t for t in rows if t.measurement.source != source and t.profile == r.profile]
-                fitted[r.profile] = fit_profile(profiles[r.profile], train) if train else None
+                memo = memos.setdefault(r.profile, {})
+                fitted[r.profile] = fit_profile(profiles[r.profile], train, memo) if train else None
             profile = fitted[r.profile]
             out[r.measurement.id] = None if profile is None else decode_speed(scenario_of(r, profile))[0]
     return out

@@ -42,7 +42,7 @@ from shardwise.runtime.layers import (
     project_inputs,
     shard_param,
 )
-from shardwise.runtime.linear_state import LinearStateCache, causal_conv
+from shardwise.runtime.linear_state import LinearStateCache, causal_conv, delta_rule_step
 from shardwise.spec.mixers import LinearAttentionSpec
 from shardwise.spec.model import TensorSpec
 
@@ -57,12 +57,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def recurrent_step(state, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
     """One position of the gated delta rule, float32: q, k [B, H, d_k], v [B, H, d_v], g, beta
-    [B, H], state [B, H, d_k, d_v] → (output [B, H, d_v], new state)."""
-    state = state * g.exp()[..., None, None]
-    memory = (state * k[..., None]).sum(dim=-2)
-    delta = (v - memory) * beta[..., None]
-    state = state + k[..., None] * delta[..., None, :]
-    return (state * q[..., None]).sum(dim=-2), state
+    [B, H], state [B, H, d_k, d_v] → (output [B, H, d_v], the state, updated in place:
+    ``linear_state.delta_rule_step`` with a per-head decay)."""
+    return delta_rule_step(state, q, k, v, g.exp()[..., None, None], beta)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,7 +52,7 @@ from shardwise.runtime.layers import (
     project_inputs,
     shard_param,
 )
-from shardwise.runtime.linear_state import LinearStateCache, causal_conv
+from shardwise.runtime.linear_state import LinearStateCache, causal_conv, delta_rule_step
 from shardwise.spec.model import TensorSpec
 
 CHUNK = 64
@@ -83,12 +83,9 @@ def log_decay(raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, hea
 
 def kda_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
     """One token: q, k, g [B, H, d_k], v [B, H, d_v], beta [B, H], state [B, H, d_k, d_v]
-    (all float32; q, k normalised, q scaled) → (output [B, H, d_v], new state)."""
-    state = state * g.exp().unsqueeze(-1)
-    predicted = (state * k.unsqueeze(-1)).sum(dim=-2)
-    delta = (v - predicted) * beta.unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (state * q.unsqueeze(-1)).sum(dim=-2), state
+    (all float32; q, k normalised, q scaled) → (output [B, H, d_v], the state, updated in place:
+    ``linear_state.delta_rule_step`` with a per-channel decay)."""
+    return delta_rule_step(state, q, k, v, g.exp().unsqueeze(-1), beta)
 
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +142,7 @@ class KimiDeltaAttention(nn.Module):
         if not self.full_rank_gate:
             self.g_a_proj = ReplicatedLinear(t["g_a_proj.weight"], shard, dtype)
         self.lower_bound = lower_bound
+        self.conv_weight: torch.Tensor | None = None  # joined after loading (stack_weights)
         self.o_proj = RowParallelLinear(t["o_proj.weight"], shard, dtype)
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
             setattr(self, name, nn.Module())
@@ -190,7 +188,7 @@ class KimiDeltaAttention(nn.Module):
         """The recurrence over conv inputs ``inputs`` [b, C, T], forget-gate and beta projections
         ``f`` [b, T, H·d_k], ``braw`` [b, T, H] at ``positions`` [T] in cache slots ``rows`` →
         [b, T, H, d_v] float32."""
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0]
+        weight = self.conv_weight if self.conv_weight is not None else self.join_conv_weights()
 
         def chunked(state, window):  # prefill: every position at once, one snapshot at the end
             y, window = causal_conv(inputs, window, weight)
@@ -203,6 +201,15 @@ class KimiDeltaAttention(nn.Module):
             return out[:, None], state, window
 
         return self.state.run(int(positions[0]), rows, inputs.shape[-1], chunked, step)
+
+    def join_conv_weights(self) -> torch.Tensor:
+        """The q|k|v conv weights as one [3·width, kernel] tensor, kept once the weights are loaded
+        (``ShardedCausalLM.stack_projections``) instead of concatenated at every step."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0]
+
+    def stack_weights(self) -> None:
+        """After loading: the joined conv weights (``join_conv_weights``)."""
+        self.conv_weight = self.join_conv_weights().detach()
 
     def _gated_norm(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's d_v (float32), times sigmoid(gate), in the run dtype."""

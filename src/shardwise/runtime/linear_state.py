@@ -119,7 +119,9 @@ class LinearStateCache(nn.Module):
         """Hold ``state`` [b, ...] as the snapshot at ``position`` (after positions < position) of
         cache slots ``rows`` and ``window`` [b, C, kernel - 1] as the conv inputs of the positions
         before it."""
-        self.state_cache[rows, position % self.snapshots].copy_(state)
+        held = self.state_cache[rows, position % self.snapshots]
+        if held.data_ptr() != state.data_ptr():  # one snapshot: the steps updated it where it lies
+            held.copy_(state)
         self.conv_cache[rows, :, self._columns(position)] = window
         for slot in range(rows.start, rows.stop):
             low, high = self.held[slot]
@@ -139,12 +141,16 @@ class LinearStateCache(nn.Module):
 
         ``chunked(state, window) -> (out [b, n, ...], state, window)`` runs all n positions at
         once (used from position 0); ``step(i, state, window) -> (out [b, 1, ...], state,
-        window)`` runs the call's i-th position (every other call)."""
+        window)`` runs the call's i-th position (every other call) and may update ``state`` in
+        place (``delta_rule_step``): with one snapshot that is the held state itself, with more a
+        copy of the one read."""
         state, window = self.read(start, rows)
         if start == 0:
             out, state, window = chunked(state, window)
             self.write(n, rows, state, window)
             return out
+        if self.snapshots > 1:  # the steps update the state in place: keep the snapshot at ``start`` as it was
+            state = state.clone()
         outs = []
         for i in range(n):
             out, state, window = step(i, state, window)
@@ -153,15 +159,34 @@ class LinearStateCache(nn.Module):
         return outs[0] if n == 1 else torch.cat(outs, dim=1)
 
 
+def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One position of the gated delta rule, **in place** on ``state`` [B, H, d_k, d_v] (float32):
+    ``S ← S · decay``, ``S ← S + k ⊗ β (v − Sᵀk)``, ``o = Sᵀq`` for q, k [B, H, d_k], v [B, H, d_v],
+    beta [B, H] and ``decay`` broadcasting to the state (per channel [B, H, d_k, 1]: KDA; per head
+    [B, H, 1, 1]: Gated DeltaNet). The products run as batched matrix products over the B·H heads
+    (a few calls, no [B, H, d_k, d_v] temporaries). Returns (o [B, H, d_v], the updated state)."""
+    b, h, dk, dv = state.shape
+    state.mul_(decay)
+    heads = state.view(b * h, dk, dv)
+    keys = k.reshape(b * h, 1, dk)
+    delta = (v.reshape(b * h, 1, dv) - torch.bmm(keys, heads)) * beta.reshape(b * h, 1, 1)
+    heads.baddbmm_(keys.transpose(1, 2), delta)
+    return torch.bmm(q.reshape(b * h, 1, dk), heads).view(b, h, dv), state
+
+
 def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution of ``x`` [B, C, T] continuing ``window`` [B, C, K-1] (the
     inputs before it) with ``weight`` [C, K]: (outputs [B, C, T] in float32, the new window
     [B, C, K-1] in the window's dtype). Computed as K multiply-adds in float32 (transformers
-    convolves in the weight dtype), the same per element for any T."""
+    convolves in the weight dtype); one position (every call past position 0, where verify passes
+    and decode steps must agree bit for bit) as one product and one sum over the K taps."""
     kernel = weight.shape[-1]
     full = torch.cat([window.to(x.dtype), x], dim=-1)
     t = x.shape[-1]
     w = weight.float()
+    if t == 1:  # a decode / verify step (every call past position 0): one product and one sum
+        return (full.float() * w).sum(-1, keepdim=True), full[..., 1:].to(window.dtype)
     out = full[..., 0:t].float() * w[:, 0:1]
     for j in range(1, kernel):
         out = out + full[..., j : j + t].float() * w[:, j : j + 1]
