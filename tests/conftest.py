@@ -78,13 +78,25 @@ def plan_json(*args: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def probe_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """``shardwise probe --ranks 2`` once for the session, small sizes, one thread per rank (the two
+def probe_run(tmp_path_factory, worker_id) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """``shardwise probe --ranks 2`` once for the whole run, small sizes, one thread per rank (the two
     ranks share this machine's cores): (the finished command, its cluster TOML, its JSON document).
-    tests/test_probe.py checks what it measured; tests/test_bench.py benches against it."""
-    folder = tmp_path_factory.mktemp("probe")
+    tests/test_probe.py checks what it measured; tests/test_bench.py benches against it. Under
+    pytest-xdist the workers share one probe (the first to need it runs it under a file lock, as
+    xdist's docs show for session data), not one each."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent
+    folder, record = root / "shared-probe", root / "shared-probe" / "command.json"
     out, doc = folder / "cluster.toml", folder / "probe.json"
-    done = run_cli("probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3", "--algorithms", "ring,rd,oneshot",
-                   "--triad-mb", "8", "--matmul-size", "64", "--out", str(out), "--json-out", str(doc),
-                   env={"OMP_NUM_THREADS": "1"})
-    return done, out, doc
+    with FileLock(str(root / "shared-probe.lock")):
+        if not record.exists():
+            folder.mkdir(exist_ok=True)
+            done = run_cli("probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "3", "--algorithms",
+                           "ring,rd,oneshot", "--triad-mb", "8", "--matmul-size", "64", "--out", str(out),
+                           "--json-out", str(doc), env={"OMP_NUM_THREADS": "1"})
+            record.write_text(json.dumps({"args": [str(a) for a in done.args], "returncode": done.returncode,
+                                          "stdout": done.stdout, "stderr": done.stderr}))
+    kept = json.loads(record.read_text())
+    return subprocess.CompletedProcess(kept["args"], kept["returncode"], kept["stdout"], kept["stderr"]), out, doc

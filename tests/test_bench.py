@@ -94,7 +94,7 @@ def test_bench_cli_tp2_writes_json_and_chrome_trace(tiny_llama, tmp_path, probe_
     assert done.returncode == 0, done.stderr
     out, trace = tmp_path / "bench.json", tmp_path / "bench.trace.json"
     done = run_cli("bench", str(tiny_llama), "--tp", "2", "--probe", str(probe), "--prompt-ids", "1,2,3",
-                   "--max-new-tokens", "8", "--out", str(out), "--trace", str(trace), "--json", env=env)
+                   "--max-new-tokens", "8", "--repeats", "1", "--out", str(out), "--trace", str(trace), "--json", env=env)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["kind"] == "bench" and doc["model"] and doc["tp"] == 2

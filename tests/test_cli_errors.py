@@ -210,3 +210,10 @@ def test_help_texts_survive_rich_markup():
             assert "[]" not in Text.from_markup(text).plain, (name, text)
     code, out, _ = cli_in_process("ring", "--help")
     assert code == 0 and "[[hosts]]" in out and "[[links]]" in out
+
+
+def test_bench_refuses_zero_repeats():
+    """``bench --repeats 0`` would time no generation: refused in one line before anything runs."""
+    start = time.monotonic()
+    assert "--repeats must be >= 1 (measured generations), got 0" in one_line_error("bench", "--repeats", "0")
+    assert time.monotonic() - start < 10

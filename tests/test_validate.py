@@ -121,8 +121,10 @@ def test_cross_validation_never_fits_on_the_row_it_predicts(tmp_path):
     with DEFAULT_CSV.open(newline="") as f:
         table = list(csv.reader(f))
     column = table[0].index("decode_tok_s")
+    vllm = {r["id"] for r in doc["rows"] if r["profile"] == "vllm"}  # the victim's profile's rows suffice
+    table = table[:1] + [row for row in table[1:] if row and row[0] in vllm]
     for row in table[1:]:
-        if row and row[0] == victim["id"]:
+        if row[0] == victim["id"]:
             row[column] = str(victim["measured_tok_per_s"] * 20)
     changed = tmp_path / "changed.csv"
     with changed.open("w", newline="") as f:

@@ -22,7 +22,7 @@ BENCH_PROBE_ALGORITHMS = ("ring", "rd", "oneshot")
 BENCH_BACKEND = "gloo"
 """Process-group backend of the bench's ranks (``launch_local``'s default)."""
 BENCH_REPEATS = 3
-"""Measured generations per bench, interleaved with host probes in the same ranks."""
+"""Measured generations per bench (``--repeats``), interleaved with host probes in the same ranks."""
 
 
 def _pct(x: float | None) -> str:
@@ -92,6 +92,7 @@ def register(app: typer.Typer) -> None:
         boxes: Annotated[Optional[int], typer.Option("--boxes", help="with --plan-model: number of boxes")] = None,
         link: Annotated[Optional[str], typer.Option("--link", help="with --plan-model: link from the catalog (default 100g-roce)")] = None,
         runtime: Annotated[Optional[str], typer.Option("--runtime", help="with --plan-model: runtime profile (default vllm)")] = None,
+        repeats: Annotated[int, typer.Option("--repeats", help="measured generations, each between host probes in the ranks")] = BENCH_REPEATS,
     ) -> None:
         """Run a checkpoint traced and plan it on the probed cluster: predicted vs measured decode.
         With --url, measure an OpenAI-compatible server per pp/tg @ depth point and concurrency."""
@@ -128,6 +129,8 @@ def register(app: typer.Typer) -> None:
 
         if tp < 1:
             raise ShardwiseError(f"--tp must be >= 1, got {tp}")
+        if repeats < 1:
+            raise ShardwiseError(f"--repeats must be >= 1 (measured generations), got {repeats}")
         if max_new_tokens < 4:
             raise ShardwiseError(f"--max-new-tokens must be >= 4 for a decode measurement, got {max_new_tokens}")
         folder = checkpoint if checkpoint is not None else default_checkpoint()
@@ -181,7 +184,7 @@ def register(app: typer.Typer) -> None:
         ops = OpCounts(layers=tuple(counted["layers"]), other=counted["other"])
         common = dict(checkpoint=str(folder), prompt_ids=ids, max_new_tokens=max_new_tokens, tp=tp, ep=ep,
                       dtype=dtype, allreduce=allreduce)
-        plain = launch_local(run_rank, tp, args=(RunRequest(**common, host_probe=BENCH_REPEATS),), timeout_s=timeout)
+        plain = launch_local(run_rank, tp, args=(RunRequest(**common, host_probe=repeats),), timeout_s=timeout)
         probe_doc = with_host_probe(probe_doc, plain, allreduce)
         traced = launch_local(run_rank, tp, args=(RunRequest(**common, trace=True),), timeout_s=timeout)
         measured = 1.0 / max(statistics.median(r["decode_step_s"]) for r in plain)
