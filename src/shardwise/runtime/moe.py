@@ -167,11 +167,13 @@ class Router(nn.Module):
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         n, per_group = moe.n_group, moe.num_experts // moe.n_group
-        group_scores = choice.view(-1, n, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-        groups = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
-        keep = group_mask.unsqueeze(-1).expand(-1, n, per_group).reshape(-1, moe.num_experts).bool()
-        index = torch.topk(choice.masked_fill(~keep, float("-inf")), k=moe.top_k, dim=-1, sorted=False)[1]
+        if n > moe.topk_group:  # groups to choose from (Kimi's one group, or all groups kept: nothing to mask)
+            group_scores = choice.view(-1, n, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+            groups = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
+            keep = group_mask.unsqueeze(-1).expand(-1, n, per_group).reshape(-1, moe.num_experts).bool()
+            choice = choice.masked_fill(~keep, float("-inf"))
+        index = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, index)
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
