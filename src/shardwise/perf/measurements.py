@@ -20,7 +20,7 @@ from shardwise.errors import ShardwiseError, shown
 from shardwise.perf.speculative import WORKLOADS
 from shardwise.plan import ParallelPlan, default_plan, validate_plan
 from shardwise.quant.formats import get_format
-from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, TENSOR_GROUPS, ModelSpec
+from shardwise.spec.model import ROUTED_EXPERTS, ModelSpec
 from shardwise.spec.parse import load_model
 
 REQUIRED_COLUMNS = (
@@ -227,10 +227,9 @@ def resolve(m: Measurement) -> ResolvedRow | str:
         return f"quantization '{m.quant_format}' is not a known format"
     formats = model.group_formats()
     if quant["format"] != "checkpoint":
-        groups = MATMUL_GROUPS if quant.get("groups", "matmul") == "matmul" else (ROUTED_EXPERTS,)
-        if get_format(quant["format"]).gguf_ftype:  # a GGUF file: llama.cpp types every tensor (quant.gguf_mix)
-            groups = TENSOR_GROUPS
-        formats.update({g: quant["format"] for g in groups})
+        fmt = get_format(quant["format"])
+        groups = (ROUTED_EXPERTS,) if quant.get("groups") == "experts" and not fmt.gguf_ftype else fmt.groups
+        formats.update({g: fmt.name for g in groups})
     plan = _parallelism(m.parallelism, m.num_devices, model)
     try:
         validate_plan(model, plan)

@@ -84,7 +84,7 @@ def build_scenario(
     from shardwise.plan import ParallelPlan, default_plan, validate_plan
     from shardwise.quant.formats import get_format
     from shardwise.spec.hardware import get_box, get_link, load_cluster_file
-    from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS, TENSOR_GROUPS
+    from shardwise.spec.model import MATMUL_GROUPS, ROUTED_EXPERTS
     from shardwise.spec.parse import load_model
 
     spec = load_model(model)
@@ -114,8 +114,8 @@ def build_scenario(
             f"use --boxes {plan.world_size} or --pp {max(n // plan.tp, 1)}"
         )
     formats = spec.group_formats()
-    if quant:  # a GGUF file type types every tensor, embedding and LM head too (quant.gguf_mix)
-        formats.update({g: quant for g in (TENSOR_GROUPS if get_format(quant).gguf_ftype else MATMUL_GROUPS)})
+    if quant:
+        formats.update({g: quant for g in get_format(quant).groups})
     if experts:
         get_format(experts)
         formats[ROUTED_EXPERTS] = experts

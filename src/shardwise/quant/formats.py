@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from shardwise.errors import unknown_name
 from shardwise.quant import gguf_mix, mxfp4_codec, nvfp4_codec
+from shardwise.spec.tensors import MATMUL_GROUPS, TENSOR_GROUPS
 
 
 PACKED_BLOCK_MAX = 256  # weights per scale of the largest 1-D block format
@@ -48,6 +49,13 @@ class QuantFormat:
         """True when a scheme in this format quantizes matmul weights only: the group's biases and
         1-D parameters keep the float dtype (the packed block formats and the int formats)."""
         return self.packed or self.weight_only_int
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The tensor groups this format sets when it is given for every weight: all of them for a
+        GGUF file type (llama.cpp types the embedding and LM head too: ``quant.gguf_mix``), else the
+        matmul groups."""
+        return TENSOR_GROUPS if self.gguf_ftype else MATMUL_GROUPS
 
     def weight_bytes(self, params: int) -> float:
         """Bytes to store params weights in this format."""

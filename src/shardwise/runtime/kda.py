@@ -49,6 +49,7 @@ from shardwise.runtime.layers import (
     ReplicatedLinear,
     RowParallelLinear,
     Shard,
+    join_rows,
     project_inputs,
     shard_param,
 )
@@ -142,11 +143,12 @@ class KimiDeltaAttention(nn.Module):
         if not self.full_rank_gate:
             self.g_a_proj = ReplicatedLinear(t["g_a_proj.weight"], shard, dtype)
         self.lower_bound = lower_bound
-        self.conv_weight: torch.Tensor | None = None  # joined after loading (stack_weights)
         self.o_proj = RowParallelLinear(t["o_proj.weight"], shard, dtype)
-        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        convs = [shard_param(t[f"{name}.weight"], shard, dtype) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
+        for name, weight in zip(("q_conv1d", "k_conv1d", "v_conv1d"), convs):
             setattr(self, name, nn.Module())
-            getattr(self, name).weight = shard_param(t[f"{name}.weight"], shard, dtype)
+            getattr(self, name).weight = weight
+        self.conv_weight = join_rows(convs)[:, 0]  # q|k|v [3·width, kernel]: the parameters are views of it
         self.A_log = shard_param(t["A_log"], shard, dtype)
         keep = t["dt_bias"].keep_float32  # float32 as in transformers; the planner reads the same marker
         self.dt_bias = shard_param(t["dt_bias"], shard, torch.float32 if keep else dtype)
@@ -188,7 +190,7 @@ class KimiDeltaAttention(nn.Module):
         """The recurrence over conv inputs ``inputs`` [b, C, T], forget-gate and beta projections
         ``f`` [b, T, H·d_k], ``braw`` [b, T, H] at ``positions`` [T] in cache slots ``rows`` →
         [b, T, H, d_v] float32."""
-        weight = self.conv_weight if self.conv_weight is not None else self.join_conv_weights()
+        weight = self.conv_weight
 
         def chunked(state, window):  # prefill: every position at once, one snapshot at the end
             y, window = causal_conv(inputs, window, weight)
@@ -201,15 +203,6 @@ class KimiDeltaAttention(nn.Module):
             return out[:, None], state, window
 
         return self.state.run(int(positions[0]), rows, inputs.shape[-1], chunked, step)
-
-    def join_conv_weights(self) -> torch.Tensor:
-        """The q|k|v conv weights as one [3·width, kernel] tensor, kept once the weights are loaded
-        (``ShardedCausalLM.stack_projections``) instead of concatenated at every step."""
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0]
-
-    def stack_weights(self) -> None:
-        """After loading: the joined conv weights (``join_conv_weights``)."""
-        self.conv_weight = self.join_conv_weights().detach()
 
     def _gated_norm(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's d_v (float32), times sigmoid(gate), in the run dtype."""

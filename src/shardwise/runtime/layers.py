@@ -168,12 +168,19 @@ def stack_weights(*linears: nn.Module) -> Stack | None:
         return None
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
         return None
-    stack = torch.cat([w.detach() for w in weights])
+    return Stack(join_rows(weights), tuple(w.shape[0] for w in weights))
+
+
+def join_rows(params: list[nn.Parameter]) -> torch.Tensor:
+    """One new tensor holding ``params`` (same dtype, device and trailing shape) as consecutive row
+    blocks; each parameter's data becomes a view of its block, so nothing is held twice and a later
+    in-place load of a parameter fills the joined tensor too."""
+    joined = torch.cat([p.detach() for p in params])
     start = 0
-    for w in weights:
-        w.data = stack[start : start + w.shape[0]]
-        start += w.shape[0]
-    return Stack(stack, tuple(w.shape[0] for w in weights))
+    for p in params:
+        p.data = joined[start : start + p.shape[0]]
+        start += p.shape[0]
+    return joined
 
 
 def stack_inputs(module: nn.Module) -> None:

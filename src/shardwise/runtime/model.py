@@ -359,8 +359,6 @@ class ShardedCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "input_projections"):
                 stack_inputs(module)
-            if hasattr(module, "stack_weights"):  # other weights a block joins once loaded (KDA's convs)
-                module.stack_weights()
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
              slots: list[int] | None) -> torch.Tensor:
