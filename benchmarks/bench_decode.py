@@ -56,9 +56,10 @@ CONFIG = {
 
 SHORT_BECAUSE = (
     "short because llama.cpp rounds each block of 32 activations to int8 and multiplies int8 by int8 "
-    "(VNNI dot products, 64 multiply-adds per instruction), while shardwise keeps float activations "
-    "(within 1e-7 of the dequantized product) and turns every weight into a float in registers: "
-    "its int4 kernel is bound by that unpacking, not by memory"
+    "(VNNI dot products, 64 multiply-adds per instruction), while shardwise keeps the activations as they are "
+    "(within 1e-7 of the dequantized product) and turns every weight into a float (float32 rows) or a "
+    "bfloat16 (bfloat16 rows, 32 products per vdpbf16ps) in registers: its kernel is bound by that "
+    "unpacking, not by memory"
 )
 """Why shardwise's int kernel trails llama.cpp's at the same format, printed beside a ratio below 1."""
 

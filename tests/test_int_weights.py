@@ -199,6 +199,30 @@ def test_kernel_rows_do_not_depend_on_the_batch(ckpts):
         assert torch.allclose(weight(x).double(), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group", [32, 64, 128, 384])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_kernel_bfloat16_rows_times_4_bit_weights(group, scale_dtype):
+    """bfloat16 rows (a bfloat16 model's activations) times 4-bit weights: the kernel's bfloat16 dot-product
+    path (widths that are whole 128-weight chunks) and its float32 one (other widths) both equal the
+    exact product to float32 rounding, row by row whatever the batch; every group size the checkpoint
+    scheme allows, scales as stored in either dtype."""
+    from shardwise.runtime.int_matmul import kernel
+
+    gen = torch.Generator().manual_seed(group)
+    for width in (384, 3 * group) if group < 128 else (384,):  # 3 · 32 and 3 · 64: no whole chunks
+        q = torch.randint(0, 256, (37, width // 2), dtype=torch.uint8, generator=gen)
+        scale = (torch.rand(37, width // group, generator=gen) * 0.1 + 0.01).to(scale_dtype)
+        values = torch.stack([(q & 15).long() - 8, (q >> 4).long() - 8], dim=-1).reshape(37, width)
+        weight = values.double() * scale.double().repeat_interleave(group, dim=1)
+        x = torch.randn(5, width, generator=gen).to(torch.bfloat16)
+        y = kernel()(x, q, scale, 4, group)
+        assert y.dtype == torch.float32
+        exact = x.double() @ weight.T
+        torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+        for i in range(5):
+            assert torch.equal(kernel()(x[i : i + 1], q, scale, 4, group), y[i : i + 1]), (group, width, i)
+
+
 def test_stacked_projections_equal_their_parts(ckpts):
     """Loading stacks q|k|v and gate|up (``layers.stack_weights``): int weights into one IntWeight whose
     rows are the parts' (each part now a view of its rows, nothing held twice), float weights into one

@@ -124,3 +124,10 @@ def test_unreachable_master_under_torchrun_env_fails_within_timeout():
 def test_master_address_not_on_this_host_is_named():
     done = run_cli("probe", "--master-addr", "10.254.254.254", "--timeout", "3", env=ONE_THREAD, timeout=60)
     assert done.returncode == 2 and "10.254.254.254" in done.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--host-batches", "0"), ("--iters", "0")])
+def test_bad_counts_are_one_line_errors(flag, value):
+    done = run_cli("probe", flag, value, env=ONE_THREAD, timeout=60)
+    assert done.returncode == 2 and flag in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr

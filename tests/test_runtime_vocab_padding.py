@@ -4,7 +4,7 @@ Each rank holds ``ceil(vocab / tp)`` embedding / LM-head rows (``layers.vocab_ro
 last rank's slice padded with zero rows no id maps to; padding logits are -inf, so they
 never win greedy or sampling, and ``logits()`` returns exactly ``vocab_size`` columns.
 Checked against transformers in float32 (logits within 1e-4, identical greedy tokens) at
-tp 2, 3 and 4 (12 heads; widths divisible by 12) for a tied (llama) and an untied (gpt-oss,
+tp 3 and 4 (12 heads; widths divisible by 12) for a tied (llama) and an untied (gpt-oss,
 sliding window 4, KV head replicated) model, plus a vocabulary so small
 that one rank holds no real row. Every LM-head row gets +1 on hidden dimension 0, so a
 hidden state of -e0 gives every real token a negative logit: a zero padding row would win
@@ -112,7 +112,7 @@ def test_check_runnable_accepts_odd_vocab(models):
     check_runnable(load_spec(models["llama"]["folder"]), ParallelPlan(tp=3))
 
 
-@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("tp", [3, 4])  # tp 2 pads one row: the same path as 3 and 4, not a case of its own
 def test_padded_vocab_matches_transformers(models, tp):
     keys = [k for k in models if k != "llama_v9" or tp == 4]
     cases = [(models[k]["folder"], models[k]["prompt"]) for k in keys]

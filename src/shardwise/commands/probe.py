@@ -71,6 +71,7 @@ def register(app: typer.Typer) -> None:
         threads: Annotated[int, typer.Option("--threads", help="torch threads per rank (the runtime uses 1)")] = 1,
         triad_mb: Annotated[int, typer.Option("--triad-mb", help="size of each triad array, MB")] = 64,
         matmul_size: Annotated[int, typer.Option("--matmul-size", help="square matmul side")] = 512,
+        host_batches: Annotated[int, typer.Option("--host-batches", help="timed batches per host cost (their median; fewer: quicker, noisier)")] = 15,
         box: Annotated[str, typer.Option("--box", help="catalog box the measured figures replace")] = DEFAULT_BOX,
         link: Annotated[str, typer.Option("--link", help="catalog link the measured α/β replace")] = DEFAULT_LINK,
         master_addr: Annotated[str, typer.Option("--master-addr", help="rendezvous address for local ranks")] = "127.0.0.1",
@@ -88,7 +89,8 @@ def register(app: typer.Typer) -> None:
         get_link(link)
         cfg = ProbeConfig(min_bytes=min_bytes, max_bytes=max_bytes, iters=iters,
                           algorithms=tuple(a.strip() for a in algorithms.split(",") if a.strip()),
-                          triad_bytes=triad_mb << 20, matmul_size=matmul_size, threads=threads)
+                          triad_bytes=triad_mb << 20, matmul_size=matmul_size, threads=threads,
+                          host_batches=host_batches)
         doc = run_probe(cfg, ranks, backend, master_addr, timeout, show_progress=not json_out)
         if doc is None:
             return

@@ -49,7 +49,8 @@ class ProbeConfig:
 
     Sizes are bytes, ``iters`` timed repetitions per point (fewer above 1 MiB so the
     default run stays short), ``triad_bytes`` the size of each triad array (keep it well
-    above the last-level cache), ``matmul_size`` the square matrix side.
+    above the last-level cache), ``matmul_size`` the square matrix side, ``host_batches`` the timed
+    batches whose median each host cost is (``runtime.host_costs``; fewer: quicker and noisier).
     """
 
     min_bytes: int = 8
@@ -61,6 +62,7 @@ class ProbeConfig:
     matmul_size: int = 512
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     threads: int = 1
+    host_batches: int = 15
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_bytes <= self.max_bytes:
@@ -74,6 +76,8 @@ class ProbeConfig:
             raise ShardwiseError(f"unknown all-reduce algorithm '{unknown[0]}': use {', '.join(PROBE_ALGORITHMS)}")
         if self.triad_bytes < 4096 or self.matmul_size < 16 or self.threads < 1:
             raise ShardwiseError("triad arrays need >= 4 KiB, matmuls >= 16 wide, and threads >= 1")
+        if self.host_batches < 1:
+            raise ShardwiseError(f"--host-batches must be >= 1 (got {self.host_batches})")
 
     def sizes(self) -> list[int]:
         """Message sizes in bytes: ``min_bytes`` doubling up to ``max_bytes``."""
@@ -212,7 +216,7 @@ def probe_rank(rank: int, world: int, cfg: ProbeConfig, progress: Any = None) ->
     tick("memory triad")
     tflops = {d: measure_matmul(cfg.matmul_size, d) for d in cfg.dtypes}
     tick("matmul")
-    host = measure_host_costs(world, list(collectives))
+    host = measure_host_costs(world, list(collectives), batches=cfg.host_batches)
     tick("eager op overhead and all-reduce inside a decode step")
     memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {

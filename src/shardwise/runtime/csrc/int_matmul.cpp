@@ -6,13 +6,16 @@
 //   bits 8: q int8 [N, K] (the stored unsigned byte minus 128, converted once at load);
 //   bits 4: q uint8 [N, K/2], element 2j in the low nibble of byte j, 2j+1 in the high one,
 //           each stored unsigned with offset 8 (value = nibble - 8).
-// scale [N, K/group] float32 or bfloat16; x float32 [M, K]; group a multiple of 32 dividing K, or
-// (8 bits, per channel) the whole row of any width, whose last K % 32 products are summed one by one.
+// scale [N, K/group] float32 or bfloat16; x float32 or bfloat16 [M, K] (bfloat16 rows times 4-bit weights
+// take vdpbf16ps where the CPU has it, otherwise rows are widened to float32); group a multiple of 32
+// dividing K, or (8 bits, per channel) the whole row of any width, whose last K % 32 products are summed
+// one by one.
 //
 // Every row is summed in one fixed order (32 lanes per group, a group's sum times its scale added
 // to 32 row lanes, then a fixed-order reduction of the lanes), whatever M and whichever rows share
 // a call: results are bit-identical between a one-row decode step and a k+1-row verify pass.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -138,6 +141,77 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
+
+#if defined(__AVX512BF16__)
+#define SHARDWISE_BF16_DOT 1
+// bfloat16 rows (a bfloat16 model's activations, as they are): a nibble's value (-8..7) is exact in
+// bfloat16, so vdpbf16ps multiplies it by x exactly and adds the products into float32 lanes two at a time,
+// 32 weights per instruction with no float conversion of the weights (where the float32 path above spends
+// its time). A 128-weight chunk is 64 bytes read as 32 16-bit words, word j holding elements 4j..4j+3, a
+// nibble each; nibble r of every word becomes bfloat16 through one table lookup (vpermw reads the low 5
+// bits of a word: the table repeats its 16 values) after a shift by 4r. Float32 lane i of a chunk's sum
+// holds elements 8i..8i+7: lanes 0-3 are the chunk's first 32 weights, 4-7 the next 32, and so on.
+const __m512i kNibbleBf16 = [] {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = float((i & 15) - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    t[i] = uint16_t(bits >> 16);
+  }
+  return _mm512_load_si512(t);
+}();
+
+inline __m512bh nibbles_bf16(__m512i words, int shift) {
+  return (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, shift), kNibbleBf16);
+}
+
+// One 128-weight chunk's products with xp (the chunk's x as four blocks of 32: block r, lane l = element
+// 4l + r) added into two independent chains.
+inline void chunk128(const uint8_t* q, const uint16_t* xp, __m512& t0, __m512& t1) {
+  const __m512i w = _mm512_loadu_si512(q);
+  t0 = _mm512_dpbf16_ps(t0, (__m512bh)_mm512_permutexvar_epi16(w, kNibbleBf16), (__m512bh)_mm512_loadu_si512(xp));
+  t1 = _mm512_dpbf16_ps(t1, nibbles_bf16(w, 4), (__m512bh)_mm512_loadu_si512(xp + 32));
+  t0 = _mm512_dpbf16_ps(t0, nibbles_bf16(w, 8), (__m512bh)_mm512_loadu_si512(xp + 64));
+  t1 = _mm512_dpbf16_ps(t1, nibbles_bf16(w, 12), (__m512bh)_mm512_loadu_si512(xp + 96));
+}
+
+// A chunk's scales (groups of 32 or 64: `count` = 4 or 2 of them from gi) spread to the lanes their weights
+// sum in (lane i: scale idx[i]). A bfloat16 scale is a float32's top 16 bits: one word permute puts it
+// there and zeroes the bottom ones.
+inline __m512 chunk_scales(const void* s, bool bf16, int64_t gi, int count, __m512i idx) {
+  const __mmask8 take = __mmask8((1 << count) - 1);
+  if (!bf16) return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(take, static_cast<const float*>(s) + gi)));
+  const __m512i raw = _mm512_castsi128_si512(_mm_maskz_loadu_epi16(take, static_cast<const uint16_t*>(s) + gi));
+  return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_slli_epi32(idx, 16), raw));
+}
+
+// One row of 4-bit weights against a bfloat16 row (K a multiple of 128; group 32, 64 or a multiple of 128).
+float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  if (group < 128) {  // 32 or 64: each chunk spans 128 / group groups
+    const int count = int(128 / group);
+    const __m512i idx = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                    : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t k = 0, gi = s0; k < K; k += 128, gi += count) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
+      __m512 t0 = _mm512_setzero_ps(), t1 = t0;
+      chunk128(q + k / 2, xp + k, t0, t1);
+      add_group(chunk_scales(s, bf16, gi, count, idx), _mm512_add_ps(t0, t1), (k >> 7) & 1, a0, a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
+    __m512 t0 = _mm512_setzero_ps(), t1 = t0;
+    for (int64_t k = g0; k < g0 + group; k += 128) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
+      chunk128(q + k / 2, xp + k, t0, t1);
+    }
+    add_group(_mm512_set1_ps(scale_at(s, bf16, gi)), _mm512_add_ps(t0, t1), (gi - s0) & 1, a0, a1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+#endif
 #elif defined(SHARDWISE_AVX2)
 inline __m256 to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
 
@@ -245,11 +319,12 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
 }
 #endif
 
-at::Tensor int_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.is_contiguous(),
+              "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scale.dim() == 2 && scale.is_contiguous(), "q and scale must be contiguous 2-D");
   TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16, "scale must be float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = q.size(0);
   TORCH_CHECK(K % group == 0 && (group % 32 == 0 || (bits == 8 && group == K)),
               "group must divide K and be a multiple of 32 (or, for 8 bits, the whole row)");
   TORCH_CHECK(scale.size(0) == N && scale.size(1) == K / group, "scale must be [N, K / group]");
@@ -258,7 +333,28 @@ at::Tensor int_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   } else {
     TORCH_CHECK(bits == 4 && q.scalar_type() == at::kByte && q.size(1) == K / 2, "4-bit q must be uint8 [N, K / 2]");
   }
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  const bool bf16 = scale.scalar_type() == at::kBFloat16;
+  const void* sp = scale.data_ptr();
+  float* yp = y.data_ptr<float>();
+  const int64_t G = K / group;
+#if defined(SHARDWISE_BF16_DOT)
+  if (bits == 4 && x_in.scalar_type() == at::kBFloat16 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0)) {
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
+    std::vector<uint16_t> perm(M * K);  // each 128-chunk of x as four blocks of 32: block r, lane l = element 4l + r
+    for (int64_t i = 0; i < M * K; i += 128)
+      for (int r = 0; r < 4; ++r)
+        for (int l = 0; l < 32; ++l) perm[i + 32 * r + l] = xs[i + 4 * l + r];
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t m = 0; m < M; ++m)
+          yp[m * N + r] = dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, bf16, r * G);
+    });
+    return y;
+  }
+#endif
+  const at::Tensor x = x_in.to(at::kFloat);
   const float* xs = x.data_ptr<float>();
   std::vector<float> perm;
   if (bits == 4) {  // each 32-chunk of x as its even then its odd elements (the nibble order)
@@ -270,10 +366,6 @@ at::Tensor int_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor
       }
     xs = perm.data();
   }
-  const bool bf16 = scale.scalar_type() == at::kBFloat16;
-  const void* sp = scale.data_ptr();
-  float* yp = y.data_ptr<float>();
-  const int64_t G = K / group;
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t m = 0; m < M; ++m)
