@@ -71,3 +71,25 @@ def test_bad_input_rejected():
         c.ring_allreduce_s(N, 0, ALPHA, BETA)
     with pytest.raises(ShardwiseError, match="beta_bytes_per_s must be > 0"):
         c.ring_allreduce_s(N, 4, ALPHA, 0)
+
+
+def test_auto_allreduce_takes_shared_memory_only_for_gloo_ranks_on_one_host(tmp_path):
+    """`run` / `serve --allreduce auto` (their default): gloo ranks all on this x86-64 host reduce through
+    shared memory; across hosts, on NCCL, or with a measured cluster file the α-β model picks a TCP
+    algorithm the runtime runs."""
+    import platform
+
+    from shardwise.perf.allreduce_choice import RUNNABLE_FLAT, choose_for_run
+
+    local = choose_for_run(2048, 2, 2)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert local.name == "shm" and "one host" in local.describe()
+        assert 0 < local.seconds < choose_for_run(2048, 2, 2, backend="nccl").seconds
+    else:
+        assert local.name in RUNNABLE_FLAT
+    assert choose_for_run(2048, 2, 2, backend="nccl").name in RUNNABLE_FLAT
+    assert choose_for_run(2048, 2, 4, ranks_per_host=2).name in RUNNABLE_FLAT + ("two-level",)
+    assert choose_for_run(2048, 2, 1).name != "shm"  # nothing to reduce
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('[cluster]\nbox = "cpu-host"\nlink = "loopback-tcp"\nboxes = 2\n')
+    assert choose_for_run(2048, 2, 2, cluster_file=str(cluster)).name in RUNNABLE_FLAT

@@ -36,6 +36,24 @@ def runtime_layout(checkpoint: Path | None, tp: int | None, ep: int | None):
     return torchrun, folder, spec, tp, ep
 
 
+def resolve_allreduce(allreduce: str, spec, dtype: str, tp: int, torchrun: bool, backend: str,
+                      cluster: str | None = None) -> tuple[str, str | None]:
+    """(the all-reduce algorithm `run` / `serve` use, the line saying why when ``auto`` chose it:
+    ``perf.allreduce_choice.choose_for_run``); a name checked. The caller prints the line once
+    every other check passed, so a bad flag stays a one-line error."""
+    from shardwise.runtime.comm import get_allreduce
+    from shardwise.runtime.model import torch_dtype
+
+    if allreduce == "auto":
+        from shardwise.perf.allreduce_choice import choose_for_run
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", tp)) if torchrun else tp
+        choice = choose_for_run(spec.hidden_size, torch_dtype(dtype).itemsize, tp, cluster, local, backend=backend)
+        return choice.name, choice.describe()
+    get_allreduce(allreduce)
+    return allreduce, None
+
+
 def _document(spec, folder: Path, request, reports: list[dict[str, Any]], backend: str) -> dict[str, Any]:
     from shardwise.runtime.generate import load_tokenizer
 
@@ -200,7 +218,7 @@ def register(app: typer.Typer) -> None:
         top_p: Annotated[float, typer.Option("--top-p", help="nucleus sampling mass")] = 1.0,
         seed: Annotated[int, typer.Option("--seed", help="sampling seed (the same on every rank)")] = 0,
         backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU)")] = "gloo",
-        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level, shm (shared memory, ranks on one host) or auto (cheapest by the α-β model)")] = "builtin",
+        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level, shm (shared memory, ranks on one host) or auto (shm for gloo ranks on one host, else cheapest by the α-β model)")] = "auto",
         cluster: Annotated[Optional[str], typer.Option("--cluster", help="cluster TOML (from `shardwise probe`) whose α/β --allreduce auto uses")] = None,
         trace: Annotated[Optional[Path], typer.Option("--trace", help="write a per-layer, per-rank Chrome trace (Perfetto) here and its summary to NAME.summary.json")] = None,
         timeout: Annotated[float, typer.Option("--timeout", help="seconds the rendezvous or one collective may block before the run fails")] = DEFAULT_TIMEOUT_S,
@@ -212,7 +230,6 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
     ) -> None:
         """Generate with the model split over --tp local processes (or join a torchrun group)."""
-        from shardwise.runtime.comm import get_allreduce
         from shardwise.runtime.generate import (
             DEFAULT_PROMPT, SamplingParams, check_prompt, encode_prompt, max_positions, parse_prompt_ids,
         )
@@ -225,14 +242,7 @@ def register(app: typer.Typer) -> None:
             raise ShardwiseError("pass either --prompt or --prompt-ids, not both")
         check_backend(backend)
         torchrun, folder, spec, tp, ep = runtime_layout(checkpoint, tp, ep)
-        if allreduce == "auto":
-            from shardwise.perf.allreduce_choice import choose_for_run
-
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", tp)) if torchrun else tp
-            choice = choose_for_run(spec.hidden_size, torch_dtype(dtype).itemsize, tp, cluster, local)
-            typer.echo(choice.describe(), err=True)
-            allreduce = choice.name
-        get_allreduce(allreduce)
+        allreduce, chosen = resolve_allreduce(allreduce, spec, dtype, tp, torchrun, backend, cluster)
         torch_dtype(dtype)
         SamplingParams(temperature, top_p, seed)
         spec_params = None
@@ -261,6 +271,8 @@ def register(app: typer.Typer) -> None:
             temperature=temperature, top_p=top_p, seed=seed, allreduce=allreduce, backend=backend,
             trace=trace is not None, log=True, spec=spec_params,
         )
+        if chosen:
+            typer.echo(chosen, err=True)
         if torchrun:
             import torch.distributed as dist
 

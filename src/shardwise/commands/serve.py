@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="tokens per sequence (prompt + generated), the size of each slot (default: 2048 or the model's positions if fewer)")] = None,
         prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="prompt tokens read per step between decode steps")] = 128,
         dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
-        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level or shm (shared memory, ranks on one host)")] = "builtin",
+        allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level, shm (shared memory, ranks on one host) or auto (shm for gloo ranks on one host, else cheapest by the α-β model)")] = "auto",
         backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU)")] = "gloo",
         served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="model id clients send (default: the checkpoint folder's name)")] = None,
         timeout: Annotated[float, typer.Option("--timeout", help="seconds one collective may block before the server fails")] = SERVE_TIMEOUT_S,
@@ -58,8 +58,7 @@ def register(app: typer.Typer) -> None:
         ngram_max: Annotated[int, typer.Option("--ngram-max", help="longest n-gram prompt lookup matches (tried first)")] = 3,
     ) -> None:
         """Serve the model split over --tp local processes (or a torchrun group) on an OpenAI-compatible API."""
-        from shardwise.commands.run import runtime_layout
-        from shardwise.runtime.comm import get_allreduce
+        from shardwise.commands.run import resolve_allreduce, runtime_layout
         from shardwise.runtime.loader import Checkpoint, check_checkpoint
         from shardwise.runtime.model import torch_dtype
         from shardwise.runtime.rendezvous import check_backend, check_timeout
@@ -85,8 +84,8 @@ def register(app: typer.Typer) -> None:
                                      "a cache per slot of its own; `shardwise run --spec draft` runs one")
             SpecParams(spec_method, spec_tokens, ngram_min, ngram_max)
         torch_dtype(dtype)
-        get_allreduce(allreduce)
         check_backend(backend)
+        allreduce, chosen = resolve_allreduce(allreduce, spec, dtype, tp, torchrun, backend)
         with Checkpoint(folder) as ckpt:
             check_checkpoint(spec, ckpt)
         ServeTokenizer(folder)  # a missing or broken tokenizer fails here, before any rank starts
@@ -99,6 +98,9 @@ def register(app: typer.Typer) -> None:
         if torchrun:
             from shardwise.runtime.peer_watch import torchrun_group
 
+            if chosen:
+                typer.echo(chosen, err=True)
+
             with torchrun_group(backend, timeout) as (rank, world_size):
                 if rank == 0:
                     _check_port(host, port)
@@ -109,5 +111,7 @@ def register(app: typer.Typer) -> None:
         from shardwise.runtime.launch import launch_local
 
         _check_port(host, port)
+        if chosen:
+            typer.echo(chosen, err=True)
         launch_local(serve_rank, tp, args=(request,), backend=backend, timeout_s=timeout, forward_signals=True)
         typer.echo("[shardwise serve] stopped", err=True)
