@@ -189,6 +189,12 @@ def _dispatch(index: torch.Tensor, experts: range):
             yield e, token, slot
 
 
+def _decode_picks(index: torch.Tensor, experts) -> list[tuple[int, int]]:
+    """A one-row step's (expert, top-k slot) pairs among ``experts``, in ascending expert order: what
+    ``_dispatch`` visits for it, without its lookups (the same experts, order and sums)."""
+    return sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in experts)
+
+
 class SparseMoE(nn.Module):
     """Routed experts stored one module per expert (Qwen3-MoE, DeepSeek-V3, Kimi), optional shared experts.
 
@@ -226,9 +232,8 @@ class SparseMoE(nn.Module):
     def _routed(self, flat: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight,
         added in ascending expert order."""
-        if flat.shape[0] == 1:  # a decode step: its k experts in the same order and sums, without the dispatch's lookups
-            picked = sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in self.local)
-            for e, slot in picked:
+        if flat.shape[0] == 1:  # a decode step
+            for e, slot in _decode_picks(index, self.local):
                 out.add_((self.experts[str(e)](flat) * weights[:, slot, None]).to(out.dtype))
             return out
         for e, token, slot in _dispatch(index, self.local):
@@ -294,16 +299,23 @@ class FusedExperts(nn.Module):
             return linear(x, self._parameters[name][i], bias)
         return mxfp4_matmul(x, self._parameters[f"{name}_blocks"][i], self._parameters[f"{name}_scales"][i], bias)
 
+    def _expert(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Local expert ``i``'s output for rows ``x`` (its down bias only on the first rank of its group)."""
+        gate_up = self._project("gate_up_proj", x, i, self.gate_up_proj_bias[i])
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return self._project("down_proj", h, i, self.down_proj_bias[i] if self.add_down_bias else None)
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        for e, token, slot in _dispatch(index, range(self.first, self.first + self.count)):
-            i = e - self.first
-            gate_up = self._project("gate_up_proj", x[token], i, self.gate_up_proj_bias[i])
-            gate = gate_up[..., ::2].clamp(max=self.limit)
-            up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-            h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            y = self._project("down_proj", h, i, self.down_proj_bias[i] if self.add_down_bias else None)
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        experts = range(self.first, self.first + self.count)
+        if x.shape[0] == 1:  # a decode step
+            for e, slot in _decode_picks(index, experts):
+                out.add_((self._expert(x, e - self.first) * weights[:, slot, None]).to(out.dtype))
+            return out
+        for e, token, slot in _dispatch(index, experts):
+            out.index_add_(0, token, (self._expert(x[token], e - self.first) * weights[token, slot, None]).to(out.dtype))
         return out
 
 
