@@ -100,7 +100,6 @@ def register(app: typer.Typer) -> None:
 
             if chosen:
                 typer.echo(chosen, err=True)
-
             with torchrun_group(backend, timeout) as (rank, world_size):
                 if rank == 0:
                     _check_port(host, port)

@@ -142,7 +142,7 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define SHARDWISE_BF16_DOT 1
 // bfloat16 rows (a bfloat16 model's activations, as they are): a nibble's value (-8..7) is exact in
 // bfloat16, so vdpbf16ps multiplies it by x exactly and adds the products into float32 lanes two at a time,
