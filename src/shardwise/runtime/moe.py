@@ -180,19 +180,21 @@ class Router(nn.Module):
         return index, weights * moe.routed_scaling_factor
 
 
-def _dispatch(index: torch.Tensor, experts: range):
-    """For each local expert any token picked, in ascending expert order: (expert, token rows, top-k
-    slots). Only the experts the tokens picked are visited (a decode step's top-k, not all local ones)."""
+def add_experts(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, experts,
+                run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``out`` plus, for each of ``experts`` the rows ``x`` picked (``index`` [rows, k]), in ascending
+    expert order, ``run(expert, its rows)`` times its router weight. Only the picked experts are
+    visited (a decode step's top-k, not all local ones); a one-row step skips the unique / where
+    lookups (the same experts, order and sums)."""
+    if x.shape[0] == 1:
+        for e, slot in sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in experts):
+            out.add_((run(e, x) * weights[:, slot, None]).to(out.dtype))
+        return out
     for e in torch.unique(index).tolist():
         if e in experts:
             token, slot = torch.where(index == e)
-            yield e, token, slot
-
-
-def _decode_picks(index: torch.Tensor, experts) -> list[tuple[int, int]]:
-    """A one-row step's (expert, top-k slot) pairs among ``experts``, in ascending expert order: what
-    ``_dispatch`` visits for it, without its lookups (the same experts, order and sums)."""
-    return sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in experts)
+            out.index_add_(0, token, (run(e, x[token]) * weights[token, slot, None]).to(out.dtype))
+    return out
 
 
 class SparseMoE(nn.Module):
@@ -230,16 +232,8 @@ class SparseMoE(nn.Module):
             self.routed_expert_norm = RMSNorm(norm, shard, dtype, eps) if norm is not None else None
 
     def _routed(self, flat: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight,
-        added in ascending expert order."""
-        if flat.shape[0] == 1:  # a decode step
-            for e, slot in _decode_picks(index, self.local):
-                out.add_((self.experts[str(e)](flat) * weights[:, slot, None]).to(out.dtype))
-            return out
-        for e, token, slot in _dispatch(index, self.local):
-            y = self.experts[str(e)](flat[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        """``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight."""
+        return add_experts(out, flat, index, weights, self.local, lambda e, rows: self.experts[str(e)](rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -308,15 +302,8 @@ class FusedExperts(nn.Module):
         return self._project("down_proj", h, i, self.down_proj_bias[i] if self.add_down_bias else None)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        experts = range(self.first, self.first + self.count)
-        if x.shape[0] == 1:  # a decode step
-            for e, slot in _decode_picks(index, experts):
-                out.add_((self._expert(x, e - self.first) * weights[:, slot, None]).to(out.dtype))
-            return out
-        for e, token, slot in _dispatch(index, experts):
-            out.index_add_(0, token, (self._expert(x[token], e - self.first) * weights[token, slot, None]).to(out.dtype))
-        return out
+        return add_experts(torch.zeros_like(x), x, index, weights, range(self.first, self.first + self.count),
+                           lambda e, rows: self._expert(rows, e - self.first))
 
 
 class GptOssMoE(nn.Module):

@@ -319,6 +319,15 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
 }
 #endif
 
+// y[m, r] = dot(r, m) for every output, weight rows split over torch's threads (each row summed by one).
+template <class Dot>
+void each_output(float* yp, int64_t M, int64_t N, const Dot& dot) {
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + r] = dot(r, m);
+  });
+}
+
 at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
@@ -346,10 +355,8 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       for (int r = 0; r < 4; ++r)
         for (int l = 0; l < 32; ++l) perm[i + 32 * r + l] = xs[i + 4 * l + r];
     const uint8_t* qp = q.data_ptr<uint8_t>();
-    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t m = 0; m < M; ++m)
-          yp[m * N + r] = dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, bf16, r * G);
+    each_output(yp, M, N, [&](int64_t r, int64_t m) {
+      return dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, bf16, r * G);
     });
     return y;
   }
@@ -366,12 +373,9 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       }
     xs = perm.data();
   }
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t m = 0; m < M; ++m)
-        yp[m * N + r] = bits == 8
-            ? dot8(q.data_ptr<int8_t>() + r * K, xs + m * K, K, group, sp, bf16, r * G)
-            : dot4(q.data_ptr<uint8_t>() + r * (K / 2), xs + m * K, K, group, sp, bf16, r * G);
+  each_output(yp, M, N, [&](int64_t r, int64_t m) {
+    return bits == 8 ? dot8(q.data_ptr<int8_t>() + r * K, xs + m * K, K, group, sp, bf16, r * G)
+                     : dot4(q.data_ptr<uint8_t>() + r * (K / 2), xs + m * K, K, group, sp, bf16, r * G);
   });
   return y;
 }
