@@ -15,11 +15,14 @@ Two buffers suffice: a rank can only reach call ``s + 2`` (and overwrite parity 
 every rank raised its flag for ``s + 1``, which each does only after reading call ``s``.
 Messages larger than a slot go in slot-sized pieces.
 
-The wait spins, then yields the CPU (``os.sched_yield``); in a group with more ranks than cores
-it naps instead (20 µs), so ranks that share cores with their peers still progress; it gives up
-after ``DEFAULT_TIMEOUT_S`` (a dead peer is normally caught sooner by the launcher's or
-``peer_watch``'s heartbeats). Ordering of the data and flag stores relies on
-x86-64's total store order, so the algorithm refuses other architectures (use ``rd``/``ring``).
+The wait spins (``_SPIN`` polls, a few milliseconds holding the GIL; 20 polls in a group with more
+ranks than cores, so ranks that share cores with their peers still progress), then naps (20 µs
+sleeps); it gives up after ``DEFAULT_TIMEOUT_S`` (a dead peer is normally caught sooner by the
+launcher's or ``peer_watch``'s heartbeats). It never yields the CPU with ``os.sched_yield``: a
+thread that drops and retakes the GIL every few milliseconds keeps CPython from ever forcing a
+switch, and the heartbeat thread starved (a frozen peer was named after 9-17 s instead of 3).
+Ordering of the data and flag stores relies on x86-64's total store order, so the algorithm
+refuses other architectures (use ``rd``/``ring``).
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ CAPACITY_BYTES = 4 << 20
 """Bytes of one rank's slot per buffer; larger messages are reduced in pieces of this size."""
 
 _FLAG_BYTES = 64  # one cache line per rank's flag
-_SPIN = 2000  # busy polls before each yield of the CPU
-_SPIN_CROWDED = 20  # polls before each nap when the group has more ranks than this process has cores
-_NAP_S = 20e-6  # seconds of such a nap
+_SPIN = 2000  # busy polls (~1.3 µs each) before the wait starts napping
+_SPIN_CROWDED = 20  # the same when the group has more ranks than this process has cores
+_NAP_S = 20e-6  # seconds of one nap (the GIL released)
 _states: dict[object, _Segment] = {}
 
 
@@ -88,19 +91,15 @@ class _Segment:
         self.views: dict[tuple, list[torch.Tensor]] = {}
 
     def _wait(self, call: int) -> None:
-        """Return once every rank's flag reached ``call``."""
-        flags, deadline = self.flags, None
-        while True:
-            for _ in range(_SPIN_CROWDED if self.crowded else _SPIN):
-                if flags.min() >= call:
-                    return
-            if self.crowded:
-                time.sleep(_NAP_S)
-            else:
-                os.sched_yield()
-            now = time.monotonic()
-            deadline = deadline or now + DEFAULT_TIMEOUT_S
-            if now > deadline:
+        """Return once every rank's flag reached ``call``: spin, then nap."""
+        flags = self.flags
+        for _ in range(_SPIN_CROWDED if self.crowded else _SPIN):
+            if flags.min() >= call:
+                return
+        deadline = time.monotonic() + DEFAULT_TIMEOUT_S
+        while flags.min() < call:
+            time.sleep(_NAP_S)
+            if time.monotonic() > deadline:
                 late = [self.ranks[r] for r in range(self.world) if int(flags[r]) < call]
                 raise ShardwiseError(f"shm all-reduce: rank(s) {late} did not arrive within {DEFAULT_TIMEOUT_S:g} s")
 
