@@ -74,3 +74,27 @@ class PoisonRejected(Drafter):
             else:
                 mixer.k_cache[:, :, length:] = float("nan")
                 mixer.v_cache[:, :, length:] = float("nan")
+
+
+def compiled_step_matches_torch_ops(folder: str, prompt: list[int], monkeypatch) -> dict[str, float]:
+    """Per run dtype, max |Δlogit| between decoding ``prompt[8:]`` one position at a time (after an
+    8-position prefill) through the compiled linear-attention step (``linear_state.fused_step``) and
+    through the torch ops it replaces; asserts the op was built here (else there is nothing to hold)."""
+    from shardwise.plan import ParallelPlan
+    from shardwise.runtime import linear_state
+    from shardwise.runtime.loader import load_shard, load_spec
+    from shardwise.runtime.model import ShardedCausalLM
+
+    assert linear_state.fused_step(torch.device("cpu")) is not None, "the compiled linear-attention step did not build here"
+    diffs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = []
+        for fused in (True, False):
+            monkeypatch.setattr(linear_state, "FUSED", fused)
+            model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, dtype, max_seq_len=len(prompt))
+            load_shard(model, folder)
+            with torch.no_grad():
+                model.logits(torch.tensor([prompt[:8]]))
+                logits.append(torch.cat([model.logits(torch.tensor([[t]]), 8 + i)[0] for i, t in enumerate(prompt[8:])]))
+        diffs[str(dtype)] = float((logits[0].float() - logits[1].float()).abs().max())
+    return diffs

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from runtime_checks import PoisonRejected, randomise
+from runtime_checks import PoisonRejected, compiled_step_matches_torch_ops, randomise
 from shardwise.errors import ShardwiseError
 from shardwise.perf.memory import rank_cache_bytes
 from shardwise.plan import ParallelPlan, rank_param_counts
@@ -153,6 +153,13 @@ def test_chunked_equals_recurrent():
         steps.append(o)
     assert (out - torch.stack(steps, 1)).abs().max() < 1e-5
     assert (final - s).abs().max() < 1e-5
+
+
+def test_compiled_step_equals_torch_ops(ckpts, monkeypatch):
+    """Decode through the compiled KDA step equals the torch ops it replaces (float32 to rounding;
+    bfloat16, whose roundings the op repeats, within a few bfloat16 steps of the logits)."""
+    diffs = compiled_step_matches_torch_ops(ckpts["target"], PROMPT + PROMPT[::-1], monkeypatch)
+    assert diffs["torch.float32"] <= 1e-5 and diffs["torch.bfloat16"] <= 0.05, diffs
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtime_checks import compiled_step_matches_torch_ops
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,6 +146,13 @@ def test_prefill_equals_token_by_token(reference):
         chunked = model.logits(torch.tensor([PROMPT]))[0]
         steps = torch.cat([model.logits(torch.tensor([[tok]]), i)[0] for i, tok in enumerate(PROMPT)])
     assert float((chunked - steps).abs().max()) <= 1e-5
+
+
+def test_compiled_step_equals_torch_ops(reference, monkeypatch):
+    """Decode through the compiled Gated DeltaNet step equals the torch ops it replaces (float32 to
+    rounding; bfloat16, whose roundings the op repeats, within a few bfloat16 steps of the logits)."""
+    diffs = compiled_step_matches_torch_ops(reference["folder"], PROMPT[:40], monkeypatch)
+    assert diffs["torch.float32"] <= 1e-5 and diffs["torch.bfloat16"] <= 0.05, diffs
 
 
 def test_text_only_checkpoint(tmp_path):

@@ -42,7 +42,7 @@ from shardwise.runtime.layers import (
     project_inputs,
     shard_param,
 )
-from shardwise.runtime.linear_state import LinearStateCache, causal_conv, delta_rule_step
+from shardwise.runtime.linear_state import LinearStateCache, causal_conv, delta_rule_step, fused_step
 from shardwise.spec.mixers import LinearAttentionSpec
 from shardwise.spec.model import TensorSpec
 
@@ -207,6 +207,13 @@ class GatedDeltaNet(nn.Module):
             return out.transpose(1, 2), state, window
 
         def step(i, state, window):
+            op = fused_step(qkv.device)
+            if op is not None:  # the same step in one compiled call
+                g = -self.A_log.float().exp() * F.softplus(a[:, i].float() + self.dt_bias)
+                out, window = op(qkv[:, i].contiguous(), window.contiguous(), self.conv1d.weight[:, 0].contiguous(),
+                                 g.contiguous(), b[:, i].sigmoid().float().contiguous(), state, self.k_heads,
+                                 self.dk**-0.5)
+                return out[:, None], state, window
             y, window = self._conv(qkv[:, i : i + 1], window)
             q, k, v, g, beta = self._inputs(y, a[:, i : i + 1], b[:, i : i + 1])
             out, state = recurrent_step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0])

@@ -20,17 +20,12 @@ exactly the checkpoint's bytes (``bits/8 + scale bytes / group`` per weight), an
 row in one fixed order: a row's result does not depend on how many rows share the call, so a
 k+1-row speculative verify equals k+1 one-row steps bit for bit (``runtime.exact``).
 
-It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
-~15-20 s once per machine, cached under ``~/.cache/torch_extensions``) for the CPU it runs
-on (AVX-512, AVX2+FMA, or portable C++), with OpenMP so ``at::parallel_for`` splits the rows over
-torch's own threads (the ``libgomp.so.1`` torch ships is already loaded and is the one it binds to).
+It is compiled on first use (``runtime.cpp_ops``) for the CPU it runs on (AVX-512, AVX2+FMA, or
+portable C++); ``at::parallel_for`` splits the rows over torch's own threads.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -40,63 +35,31 @@ from torch import nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.quant import int_codec
+from shardwise.runtime import cpp_ops
 
-_SOURCE = Path(__file__).with_name("csrc") / "int_matmul.cpp"
+SOURCE = "int_matmul.cpp"
 _kernel = None
 
 
 def kernel():
     """The compiled ``int_matmul(x, q, scale, bits, group)`` op, built once per machine and loaded
-    once per process.
-
-    Ranks starting together build it once: the build runs under an ``flock`` (released by the
-    kernel if the builder dies), and a lock file torch's own build left behind when its process
-    was killed is removed first — otherwise every later build would wait for it forever.
-    """
+    once per process (``cpp_ops.load``)."""
     global _kernel
     if _kernel is None:
-        from torch.utils.cpp_extension import load
-
-        build = build_dir()
-        name = build.name
-        library = build / f"{name}.so"
         try:
-            if not library.exists():
-                build.mkdir(parents=True, exist_ok=True)
-                with open(build.parent / f"{name}.flock", "w") as held:
-                    fcntl.flock(held, fcntl.LOCK_EX)
-                    if not library.exists():
-                        (build / "lock").unlink(missing_ok=True)
-                        load(name, [str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                             extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
-                             verbose=False)
-            torch.ops.load_library(str(library))
+            cpp_ops.load(SOURCE)
         except (RuntimeError, OSError, ImportError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ShardwiseError(
-                f"building the int8/int4 CPU kernel failed ({first}): install a C++ compiler and ninja "
-                "(`pip install ninja`), or run a float checkpoint"
+                f"building the int8/int4 CPU kernel failed ({cpp_ops.first_line(exc)}): install a C++ compiler and "
+                "ninja (`pip install ninja`), or run a float checkpoint"
             ) from None
         _kernel = torch.ops.shardwise_int.int_matmul
     return _kernel
 
 
 def build_dir() -> Path:
-    """Where this machine's build of the kernel lives: one folder per source text, CPU flags,
-    Python and torch version (``$TORCH_EXTENSIONS_DIR`` or torch's default root)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    flags = next((line for line in _cpu_info() if line.startswith("flags")), "")
-    key = _SOURCE.read_bytes() + f"{flags}|{sys.version}|{torch.__version__}".encode()
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"shardwise_int_matmul_{hashlib.sha1(key).hexdigest()[:12]}"
-
-
-def _cpu_info() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
+    """Where this machine's build of the kernel lives (``cpp_ops.build_dir``)."""
+    return cpp_ops.build_dir(SOURCE)
 
 
 class IntWeight(nn.Module):

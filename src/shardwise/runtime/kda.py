@@ -53,7 +53,7 @@ from shardwise.runtime.layers import (
     project_inputs,
     shard_param,
 )
-from shardwise.runtime.linear_state import LinearStateCache, causal_conv, delta_rule_step
+from shardwise.runtime.linear_state import LinearStateCache, causal_conv, delta_rule_step, fused_step
 from shardwise.spec.model import TensorSpec
 
 CHUNK = 64
@@ -198,6 +198,13 @@ class KimiDeltaAttention(nn.Module):
             return out, state, window
 
         def step(i, state, window):  # decode / verify: position i exactly as a single-token step
+            op = fused_step(inputs.device)
+            if op is not None:  # the same step in one compiled call
+                g = log_decay(f[:, i], self.A_log, self.dt_bias, self.head_dim, self.lower_bound)
+                out, window = op(inputs[:, :, i].contiguous(), window.contiguous(), weight, g.contiguous(),
+                                 torch.sigmoid(braw[:, i]).float().contiguous(), state, self.heads,
+                                 self.head_dim**-0.5)
+                return out[:, None], state, window
             y, window = causal_conv(inputs[:, :, i : i + 1], window, weight)
             out, state = kda_step(*self._prepare(y[:, :, 0], f[:, i], braw[:, i]), state)
             return out[:, None], state, window

@@ -87,10 +87,15 @@ class LinearStateCache(nn.Module):
             persistent=False,
         )
         self.held = [(0, 0)] * max_batch
+        # row r: the ring columns of a window ending at r mod width (a plain tensor: not state, not a buffer)
+        width = self.conv_cache.shape[-1]
+        self.rings = (torch.arange(width)[:, None] + torch.arange(-self.taps, 0)) % width
 
     def _columns(self, end: int) -> torch.Tensor:
         """Ring columns of the conv inputs of positions ``end - taps .. end - 1``."""
-        return torch.arange(end - self.taps, end, device=self.conv_cache.device) % self.conv_cache.shape[-1]
+        if self.rings.device != self.conv_cache.device:
+            self.rings = self.rings.to(self.conv_cache.device)
+        return self.rings[end % self.rings.shape[0]]
 
     def read(self, start: int, rows: slice) -> State:
         """(state, window) at position ``start`` of cache slots ``rows``: fresh zeros at 0 (the slots
@@ -110,7 +115,7 @@ class LinearStateCache(nn.Module):
                     f"{self.snapshots} snapshots): build the model with a larger max_step_tokens"
                 )
             self.held[slot] = (low, start)
-        window = self.conv_cache[rows, :, self._columns(start)]
+        window = self.conv_cache[rows].index_select(2, self._columns(start))
         if start < self.taps:
             window[..., : self.taps - start] = 0
         return self.state_cache[rows, start % self.snapshots], window
@@ -122,7 +127,7 @@ class LinearStateCache(nn.Module):
         held = self.state_cache[rows, position % self.snapshots]
         if held.data_ptr() != state.data_ptr():  # one snapshot: the steps updated it where it lies
             held.copy_(state)
-        self.conv_cache[rows, :, self._columns(position)] = window
+        self.conv_cache[rows].index_copy_(2, self._columns(position), window)
         for slot in range(rows.start, rows.stop):
             low, high = self.held[slot]
             low = max(low, position - self.snapshots + 1) if position == high + 1 else position
@@ -157,6 +162,35 @@ class LinearStateCache(nn.Module):
             self.write(start + i + 1, rows, state, window)
             outs.append(out)
         return outs[0] if n == 1 else torch.cat(outs, dim=1)
+
+
+FUSED = True
+"""Whether one-position steps run the compiled ``fused_step`` op where it builds (tests switch it off to
+hold the op against the torch path it replaces)."""
+
+_fused: list = []  # [the op, or None where it did not build]: decided once per process
+
+
+def fused_step(device: torch.device):
+    """The compiled ``shardwise_la.gated_delta_step`` (``csrc/linear_attention.cpp``): one position of a
+    gated delta-rule layer — short conv, SiLU, L2 norms, decay and delta rule — in one call, ``(x [B, C],
+    window [B, C, K-1], conv weight [C, K], log-decay g [B, H] or [B, H, d_k], beta [B, H], state,
+    key_heads, q scale) -> (o [B, H, d_v] float32, new window)``, the state updated in place. In torch
+    ops the same step is ~50 small kernels per layer and token, whose dispatch cost more than their
+    bytes. None when ``FUSED`` is off or the op cannot be built here (no C++ compiler): the torch ops
+    (``causal_conv``, ``delta_rule_step``) run each step instead, to the same results within float32
+    rounding. Always None for tensors on ``device`` other than the CPU."""
+    if not FUSED or device.type != "cpu":
+        return None
+    if not _fused:
+        from shardwise.runtime import cpp_ops
+
+        try:
+            cpp_ops.load("linear_attention.cpp")
+            _fused.append(torch.ops.shardwise_la.gated_delta_step)
+        except (RuntimeError, OSError, ImportError):
+            _fused.append(None)
+    return _fused[0]
 
 
 def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
