@@ -320,10 +320,12 @@ class VocabParallelLMHead(nn.Module):
         value, index = local.max(dim=-1)  # a padding row (-inf) only wins on a rank without real rows
         if not self.split:
             return index
-        pair = torch.stack([value.float(), (index + self.start).float()], dim=-1).contiguous()
-        gathered = [torch.empty_like(pair) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, pair)
-        stacked = torch.stack(gathered, dim=0)  # [ranks, ..., 2]; ranks hold ascending ids
+        # every rank's (value, id) through the chosen all-reduce (one TCP round trip less per token than
+        # gloo's all_gather when the layers reduce through shared memory): each rank fills its own row of
+        # zeros, so the sum is every rank's pair, exactly
+        stacked = value.new_zeros((dist.get_world_size(), *value.shape, 2), dtype=torch.float32)
+        stacked[dist.get_rank()] = torch.stack([value.float(), (index + self.start).float()], dim=-1)
+        stacked = allreduce(stacked)  # [ranks, ..., 2]; ranks hold ascending ids
         best = stacked[..., 0].argmax(dim=0, keepdim=True)  # first maximum = lowest id
         return stacked[..., 1].gather(0, best).squeeze(0).long()
 
