@@ -31,7 +31,8 @@ Kimi Linear: KDA + NoPE MLA), all figures from this one run on this machine:
    (residual, post norm, MoE or dense MLP), plus the rest of the step (embedding, final norm,
    LM head, pick). ``--trace-out DIR`` also writes the Chrome trace and its summary there.
 4. ``--profile N``: inside shardwise's DeltaNet / KDA layers, ms per decode step of the
-   recurrence, the short conv and the state snapshots (the module functions wrapped with a clock;
+   compiled step (``linear_state.fused_step``: conv + recurrence; else the recurrence and the
+   short conv apart) and the state snapshots (the module functions wrapped with a clock;
    numerics untouched), then torch.profiler's top ops over N decode steps (prefill excluded).
 
 Other processes on the machine skew everything (best-of-rounds only helps so far): the load
@@ -49,6 +50,7 @@ import time
 import warnings
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -203,8 +205,8 @@ def _decode_steps(model, token: int, start: int, n: int) -> None:
 
 def shardwise_profile(folder: Path, prompt: list[int], tokens: int, threads: int, dtype: str,
                       kinds: list[str]) -> tuple[dict[str, float], str]:
-    """Inside the linear-attention mixers: ms per decode step of the recurrence, the short conv and
-    the state snapshots (module functions wrapped with a clock, arguments and results untouched),
+    """Inside the linear-attention mixers: ms per decode step of the compiled step (or, where it did
+    not build, of the recurrence and the short conv) and the state snapshots (module functions wrapped with a clock, arguments and results untouched),
     then torch.profiler's top ops over ``tokens`` decode steps (prefill outside the profile)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -228,6 +230,13 @@ def shardwise_profile(folder: Path, prompt: list[int], tokens: int, threads: int
         setattr(owner, attr, timed)
         patches.append((owner, attr, original))
 
+    op = linear_state.fused_step(torch.device("cpu"))
+    if op is not None:  # conv and recurrence are one compiled call (the torch functions below then idle)
+        holder = SimpleNamespace(op=op)
+        wrap(holder, "op", "compiled step (conv + recurrence)")
+        for owner in (deltanet, kda):
+            patches.append((owner, "fused_step", getattr(owner, "fused_step")))
+            owner.fused_step = lambda device: holder.op
     wrap(deltanet, "recurrent_step", "recurrence (one delta-rule step)")
     wrap(kda, "kda_step", "recurrence (one delta-rule step)")
     wrap(deltanet, "causal_conv", "short causal conv")

@@ -21,8 +21,8 @@ head, ``out_proj`` row-parallel (the decoder layer's one all-reduce); the norm w
 
 Prefill (a call at position 0) uses the chunked form (``chunk_gated_delta_rule``, chunks of
 64 as transformers' ``torch_chunk_gated_delta_rule``), every other call the recurrent form
-position by position (``recurrent_step``); the state lives in a ``linear_state.LinearStateCache``,
-per cache slot. Called with ``slots`` (continuous batching), each row runs that protocol alone in
+position by position (``linear_state.fused_step``, one compiled call, else ``recurrent_step``);
+the state lives in a ``linear_state.LinearStateCache``, per cache slot. Called with ``slots`` (continuous batching), each row runs that protocol alone in
 its own slot from its own first position, exactly as a one-row call would.
 """
 

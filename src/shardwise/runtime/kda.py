@@ -32,8 +32,8 @@ State per sequence and rank: the float32 state ``heads/tp × d_k × d_v`` and th
 snapshot at ``start``; built for speculative decoding (``max_step_tokens`` > 1) it keeps a snapshot
 per position of the last pass, so a rejected draft's update is simply never read — the next pass
 restarts at the accepted length. Prefill (a call at 0) runs the chunked form, every other call
-``kda_step`` position by position, which makes a verify pass bit-identical to single steps. The
-state is kept per cache slot: called with ``slots`` (continuous batching), each row runs that
+``kda_step`` position by position (one compiled call: ``linear_state.fused_step``), which makes a
+verify pass bit-identical to single steps. The state is kept per cache slot: called with ``slots`` (continuous batching), each row runs that
 protocol alone in its own slot from its own first position, exactly as a one-row call would.
 """
 
