@@ -24,6 +24,7 @@ from torch import nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, shard_shape, shard_slice
+from shardwise.runtime import gemv
 from shardwise.runtime.comm import get_allreduce
 from shardwise.runtime.int_matmul import IntWeight
 from shardwise.spec.model import TensorSpec
@@ -62,21 +63,19 @@ def allreduce(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; a one-row product without bias runs as ``torch.mv``.
+    """``F.linear(x, weight, bias)``; a one-row product without bias on CPU runs as ``gemv.mv``.
 
-    Decode at batch 1 is one row per layer. On CPU, torch's bfloat16 ``F.linear`` with one row
-    streams its weight at about half the speed of ``torch.mv`` on the same weight (measured here:
-    17 vs 33 GB/s, 2 threads, 5632x4 x 2048; float32: both ~30 GB/s), and the two give the same
-    bits (``tests/test_runtime_linear.py``). An ``IntWeight`` (a packed int8/int4 weight the loader
-    put in place of a float one) runs its own kernel. Under ``exact.row_blocked()`` (a torch-function mode)
-    every product stays ``F.linear`` so the mode pads it to whole row blocks.
+    Decode at batch 1 is one row per layer; torch's bfloat16 ``F.linear`` streams one row's weight at
+    half ``torch.mv``'s speed (17 vs 33 GB/s here, 5632x4 x 2048). ``gemv.mv``: ``torch.mv`` (F.linear's
+    bits) in float32, a compiled kernel in bfloat16. An ``IntWeight`` (packed int8/int4) runs its own
+    kernel. Under ``exact.row_blocked()`` every product stays ``F.linear`` (padded to row blocks).
     """
     if isinstance(weight, IntWeight):  # weight-only int8/int4, packed in memory (runtime.int_matmul)
         y = weight(x)
         return y if bias is None else y + bias
     if (bias is None and x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.device.type == "cpu"
             and not torch._C._is_torch_function_mode_enabled()):
-        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+        return gemv.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
