@@ -2,35 +2,52 @@
 
 float32 (and float16) weights run ``torch.mv`` (MKL's GEMV streams them at the machine's read
 bandwidth, and gives F.linear's own bits). bfloat16 weights run the runtime's compiled kernel
-(``csrc/bf16_gemv.cpp``, built on first use by ``runtime.cpp_ops``) where the CPU has AVX512-BF16:
+(``csrc/decode_gemv.cpp``, built on first use by ``runtime.cpp_ops``) where the CPU has AVX512-BF16:
 torch's bfloat16 GEMV streamed a decode step's small matrices at 8-13 GB/s here (a MoE expert's
 256 × 1024, its 1024 × 256 down projection) against 19-22 GB/s for the kernel, large ones at 16-24
 against 22-29 GB/s (two threads, side by side in one process). Both sum in float32 and round once,
 in a different order: the kernel's outputs equal F.linear's bits for nearly every element and are
 one bfloat16 step away for the rest (``tests/test_runtime_linear.py``). Elsewhere (no AVX512-BF16,
-no compiler, a non-contiguous weight) bfloat16 keeps ``torch.mv``.
+no compiler, a non-contiguous weight) bfloat16 keeps ``torch.mv``. The same library runs a MoE
+block's routed experts for one row in one call (``experts_kernel``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["bf16_kernel", "mv"]
+__all__ = ["bf16_kernel", "experts_kernel", "mv"]
 
-_op: list = []  # [the compiled op, or None where it is not available]: decided once per process
+_op: list = []  # [bf16_mv or None, experts_row or None]: decided once per process
 
 
-def bf16_kernel():
-    """The compiled ``shardwise_gemv.bf16_mv(w, x)`` op, or None where this CPU or machine cannot run it."""
+def _load() -> list:
     if not _op:
         from shardwise.runtime import cpp_ops
 
         try:
-            cpp_ops.load("bf16_gemv.cpp")
-            _op.append(torch.ops.shardwise_gemv.bf16_mv)
-        except (RuntimeError, OSError, ImportError, AttributeError):  # no compiler, or not built for this CPU
-            _op.append(None)
-    return _op[0]
+            cpp_ops.load("decode_gemv.cpp")
+        except (RuntimeError, OSError, ImportError):  # no compiler here
+            _op.extend([None, None])
+            return _op
+        _op.extend([getattr(torch.ops.shardwise_gemv, name, None) for name in ("bf16_mv", "experts_row")])
+    return _op
+
+
+def bf16_kernel():
+    """The compiled ``shardwise_gemv.bf16_mv(w, x)`` op, or None where this CPU or machine cannot run it
+    (no AVX512-BF16: the library registers no such op)."""
+    return _load()[0]
+
+
+def experts_kernel(dtype: torch.dtype):
+    """The compiled ``shardwise_gemv.experts_row(x, gate_up[], down[], weights, slots, out)`` op for
+    experts of ``dtype`` (``moe.SparseMoE``'s one-row step), or None: no compiler, a dtype other than
+    float32, or bfloat16 without ``bf16_kernel``."""
+    op = _load()[1]
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_kernel() is not None):
+        return op
+    return None
 
 
 def mv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch import nn
 
 from shardwise.plan import local_experts
 from shardwise.quant.layouts import BYTES_PER_BLOCK
+from shardwise.runtime import gemv
 from shardwise.runtime.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -232,8 +233,39 @@ class SparseMoE(nn.Module):
             self.routed_expert_norm = RMSNorm(norm, shard, dtype, eps) if norm is not None else None
 
     def _routed(self, flat: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight."""
-        return add_experts(out, flat, index, weights, self.local, lambda e, rows: self.experts[str(e)](rows))
+        """``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight: a
+        one-row step in one compiled call where ``_row_weights`` allows it, else expert by expert."""
+        row = self._row_weights(flat, out) if flat.shape[0] == 1 else None
+        if row is None:
+            return add_experts(out, flat, index, weights, self.local, lambda e, rows: self.experts[str(e)](rows))
+        picks = sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in row)
+        if picks:  # the same experts, order and roundings as add_experts' one-row loop
+            gemv.experts_kernel(flat.dtype)(flat[0], [row[e][0] for e, _ in picks], [row[e][1] for e, _ in picks],
+                                            weights[0], [slot for _, slot in picks], out[0])
+        return out
+
+    def _row_weights(self, x: torch.Tensor, out: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """{expert: (gate|up weight, down weight)} for ``gemv.experts_kernel``, or None where a one-row
+        step runs expert by expert: no kernel for this dtype, not on CPU, inside ``exact.row_blocked()``
+        (every product padded to row blocks), or experts that are not plain float SwiGLU with stacked
+        gate|up (MXFP4 or int weights, another activation); ``out`` must be in x's dtype. Decided at the
+        first one-row step (after loading) and kept."""
+        if (x.device.type != "cpu" or out.dtype != x.dtype or torch._C._is_torch_function_mode_enabled()
+                or gemv.experts_kernel(x.dtype) is None):
+            return None
+        if not hasattr(self, "_row"):
+            row = {}
+            for e in self.local:
+                expert = self.experts[str(e)]
+                stack, down = getattr(expert, "stack", None), getattr(getattr(expert, expert.parts[2]), "weight", None)
+                if (expert.act is not silu_and_mul or stack is None or not isinstance(stack.weight, torch.Tensor)
+                        or not isinstance(down, torch.Tensor) or stack.weight.dtype != x.dtype or down.dtype != x.dtype
+                        or not (stack.weight.is_contiguous() and down.is_contiguous())):
+                    row = None
+                    break
+                row[e] = (stack.weight, down)
+            self._row = row
+        return self._row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -1,0 +1,67 @@
+"""A MoE block's one-row step through the compiled ``experts_row`` (``runtime/gemv.py``): the same
+experts, order and roundings as the torch ops it replaces, for the routings and expert layouts that
+take it (Qwen3-MoE softmax top-k, DeepSeek-V3 sigmoid with shared experts), float32 and bfloat16; kept
+out of ``exact.row_blocked()`` and of experts it cannot run (MXFP4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.plan import ParallelPlan
+from shardwise.runtime import gemv
+from shardwise.runtime.checkpoint import make_checkpoint
+from shardwise.runtime.exact import row_blocked
+from shardwise.runtime.loader import load_shard, load_spec
+from shardwise.runtime.model import ShardedCausalLM
+from shardwise.runtime.moe import SparseMoE
+
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 64, 2, 8, 31, 77, 120, 9]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_row")
+    return {
+        "qwen3_moe": make_checkpoint("qwen3-30b-a3b", "tiny", root / "qwen3_moe", seed=4),
+        "deepseek": make_checkpoint("deepseek-v3", "tiny", root / "deepseek", seed=5),
+        "mxfp4": make_checkpoint("qwen3-30b-a3b", "tiny", root / "mxfp4", seed=6, quant="mxfp4"),
+    }
+
+
+def _decode(folder, dtype: torch.dtype) -> tuple[torch.Tensor, ShardedCausalLM]:
+    model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, dtype, max_seq_len=len(PROMPT))
+    load_shard(model, folder)
+    with torch.no_grad():
+        model.logits(torch.tensor([PROMPT[:4]]))
+        steps = [model.logits(torch.tensor([[t]]), 4 + i)[0] for i, t in enumerate(PROMPT[4:])]
+    return torch.cat(steps).float(), model
+
+
+def _blocks(model) -> list[SparseMoE]:
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_experts_in_one_call_equal_the_torch_ops(ckpts, name, dtype, monkeypatch):
+    if gemv.experts_kernel(dtype) is None:
+        pytest.skip(f"no compiled experts_row for {dtype} on this machine")
+    fused, model = _decode(ckpts[name], dtype)
+    assert _blocks(model) and all(b._row for b in _blocks(model))  # every block took the kernel
+    monkeypatch.setattr(gemv, "experts_kernel", lambda dtype: None)
+    plain, _ = _decode(ckpts[name], dtype)
+    bound = 1e-5 if dtype == torch.float32 else 0.05  # float32 rounding; a bfloat16 step of the logits
+    assert float((fused - plain).abs().max()) <= bound
+
+
+def test_kernel_stays_out_of_row_blocked_and_mxfp4(ckpts):
+    _, model = _decode(ckpts["mxfp4"], torch.float32)
+    assert all(b._row is None for b in _blocks(model))  # packed experts run expert by expert
+    model = ShardedCausalLM(load_spec(ckpts["qwen3_moe"]), ParallelPlan(), 0, torch.float32, max_seq_len=8)
+    load_shard(model, ckpts["qwen3_moe"])
+    block = _blocks(model)[0]
+    x = torch.randn(1, block.gate.weight.shape[1])
+    with torch.no_grad(), row_blocked():
+        assert block._row_weights(x, torch.zeros_like(x)) is None
+    assert block._row_weights(x, torch.zeros_like(x))  # outside the mode it runs
