@@ -240,7 +240,7 @@ class SparseMoE(nn.Module):
             return add_experts(out, flat, index, weights, self.local, lambda e, rows: self.experts[str(e)](rows))
         picks = sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in row)
         if picks:  # the same experts, order and roundings as add_experts' one-row loop
-            gemv.experts_kernel(flat.dtype)(flat[0], [row[e][0] for e, _ in picks], [row[e][1] for e, _ in picks],
+            gemv.experts_kernel(flat.dtype)(flat[0].contiguous(), [row[e][0] for e, _ in picks], [row[e][1] for e, _ in picks],
                                             weights[0], [slot for _, slot in picks], out[0])
         return out
 
