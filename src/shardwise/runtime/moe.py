@@ -181,6 +181,11 @@ class Router(nn.Module):
         return index, weights * moe.routed_scaling_factor
 
 
+def row_picks(index: torch.Tensor, experts) -> list[tuple[int, int]]:
+    """(expert, slot) of a one-row step's picks (``index`` [1, k]) among ``experts``, ascending by expert."""
+    return sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in experts)
+
+
 def add_experts(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, experts,
                 run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``out`` plus, for each of ``experts`` the rows ``x`` picked (``index`` [rows, k]), in ascending
@@ -188,7 +193,7 @@ def add_experts(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, weights
     visited (a decode step's top-k, not all local ones); a one-row step skips the unique / where
     lookups (the same experts, order and sums)."""
     if x.shape[0] == 1:
-        for e, slot in sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in experts):
+        for e, slot in row_picks(index, experts):
             out.add_((run(e, x) * weights[:, slot, None]).to(out.dtype))
         return out
     for e in torch.unique(index).tolist():
@@ -238,10 +243,10 @@ class SparseMoE(nn.Module):
         row = self._row_weights(flat, out) if flat.shape[0] == 1 else None
         if row is None:
             return add_experts(out, flat, index, weights, self.local, lambda e, rows: self.experts[str(e)](rows))
-        picks = sorted((e, slot) for slot, e in enumerate(index[0].tolist()) if e in row)
+        picks = row_picks(index, row)
         if picks:  # the same experts, order and roundings as add_experts' one-row loop
-            gemv.experts_kernel(flat.dtype)(flat[0].contiguous(), [row[e][0] for e, _ in picks], [row[e][1] for e, _ in picks],
-                                            weights[0], [slot for _, slot in picks], out[0])
+            gate_up, down = [row[e][0] for e, _ in picks], [row[e][1] for e, _ in picks]
+            gemv.experts_kernel(flat.dtype)(flat[0].contiguous(), gate_up, down, weights[0], [s for _, s in picks], out[0])
         return out
 
     def _row_weights(self, x: torch.Tensor, out: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
