@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_dir", "first_line", "load"]
+__all__ = ["build_dir", "first_line", "load", "optional_op"]
 
 _CSRC = Path(__file__).with_name("csrc")
 _loaded: set[str] = set()
+_optional: dict[tuple[str, str], object] = {}  # (namespace, name): the op or None, decided once per process
 
 
 def load(source: str) -> None:
@@ -49,6 +50,20 @@ def load(source: str) -> None:
                                 verbose=False)
     torch.ops.load_library(str(library))
     _loaded.add(source)
+
+
+def optional_op(source: str, namespace: str, name: str):
+    """``torch.ops.<namespace>.<name>`` from ``csrc/<source>``, or None where it cannot run here: the
+    source does not build (no compiler) or this CPU's build registers no such op; decided once per
+    process. For ops the runtime can do without (the torch ops then run)."""
+    key = (namespace, name)
+    if key not in _optional:
+        try:
+            load(source)
+            _optional[key] = getattr(getattr(torch.ops, namespace), name, None)
+        except (RuntimeError, OSError, ImportError):
+            _optional[key] = None
+    return _optional[key]
 
 
 def first_line(exc: BaseException) -> str:

@@ -171,9 +171,13 @@ class GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.v_heads // self.k_heads, dim=2)
             k = k.repeat_interleave(self.v_heads // self.k_heads, dim=2)
         beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = self._log_decay(a)
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         return q, k, v, g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous()
+
+    def _log_decay(self, a: torch.Tensor) -> torch.Tensor:
+        """g = −exp(A_log) · softplus(a + dt_bias), float32, from the in_proj_a outputs ``a`` [..., H_v]."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def _conv(self, qkv: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """SiLU(conv(q|k|v)) [B, T, C] in the run dtype, rounded as transformers rounds it, and the new window."""
@@ -209,9 +213,8 @@ class GatedDeltaNet(nn.Module):
         def step(i, state, window):
             op = fused_step(qkv.device)
             if op is not None:  # the same step in one compiled call
-                g = -self.A_log.float().exp() * F.softplus(a[:, i].float() + self.dt_bias)
                 out, window = op(qkv[:, i].contiguous(), window.contiguous(), self.conv1d.weight[:, 0].contiguous(),
-                                 g.contiguous(), b[:, i].sigmoid().float().contiguous(), state, self.k_heads,
+                                 self._log_decay(a[:, i]).contiguous(), b[:, i].sigmoid().float().contiguous(), state, self.k_heads,
                                  self.dk**-0.5)
                 return out[:, None], state, window
             y, window = self._conv(qkv[:, i : i + 1], window)

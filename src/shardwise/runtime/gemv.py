@@ -16,37 +16,32 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bf16_kernel", "experts_kernel", "mv"]
+from shardwise.runtime import cpp_ops
 
-_op: list = []  # [bf16_mv or None, experts_row or None]: decided once per process
+__all__ = ["applies", "bf16_kernel", "experts_kernel", "mv"]
+
+SOURCE = "decode_gemv.cpp"
 
 
-def _load() -> list:
-    if not _op:
-        from shardwise.runtime import cpp_ops
-
-        try:
-            cpp_ops.load("decode_gemv.cpp")
-        except (RuntimeError, OSError, ImportError):  # no compiler here
-            _op.extend([None, None])
-            return _op
-        _op.extend([getattr(torch.ops.shardwise_gemv, name, None) for name in ("bf16_mv", "experts_row")])
-    return _op
+def applies(x: torch.Tensor) -> bool:
+    """Whether a one-row product of ``x`` may take this module's paths: on the CPU, and outside
+    ``exact.row_blocked()`` (a torch-function mode under which every product stays ``F.linear``,
+    padded to whole row blocks)."""
+    return x.device.type == "cpu" and not torch._C._is_torch_function_mode_enabled()
 
 
 def bf16_kernel():
     """The compiled ``shardwise_gemv.bf16_mv(w, x)`` op, or None where this CPU or machine cannot run it
-    (no AVX512-BF16: the library registers no such op)."""
-    return _load()[0]
+    (no compiler; no AVX512-BF16: the library registers no such op)."""
+    return cpp_ops.optional_op(SOURCE, "shardwise_gemv", "bf16_mv")
 
 
 def experts_kernel(dtype: torch.dtype):
     """The compiled ``shardwise_gemv.experts_row(x, gate_up[], down[], weights, slots, out)`` op for
     experts of ``dtype`` (``moe.SparseMoE``'s one-row step), or None: no compiler, a dtype other than
     float32, or bfloat16 without ``bf16_kernel``."""
-    op = _load()[1]
     if dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_kernel() is not None):
-        return op
+        return cpp_ops.optional_op(SOURCE, "shardwise_gemv", "experts_row")
     return None
 
 

@@ -33,8 +33,9 @@ snapshot at ``start``; built for speculative decoding (``max_step_tokens`` > 1) 
 per position of the last pass, so a rejected draft's update is simply never read — the next pass
 restarts at the accepted length. Prefill (a call at 0) runs the chunked form, every other call
 ``kda_step`` position by position (one compiled call: ``linear_state.fused_step``), which makes a
-verify pass bit-identical to single steps. The state is kept per cache slot: called with ``slots`` (continuous batching), each row runs that
-protocol alone in its own slot from its own first position, exactly as a one-row call would.
+verify pass bit-identical to single steps. The state is kept per cache slot: called with ``slots``
+(continuous batching), each row runs that protocol alone in its own slot from its own first
+position, exactly as a one-row call would.
 """
 
 from __future__ import annotations

@@ -73,8 +73,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if isinstance(weight, IntWeight):  # weight-only int8/int4, packed in memory (runtime.int_matmul)
         y = weight(x)
         return y if bias is None else y + bias
-    if (bias is None and x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.device.type == "cpu"
-            and not torch._C._is_torch_function_mode_enabled()):
+    if bias is None and x.numel() == x.shape[-1] and x.dtype == weight.dtype and gemv.applies(x):
         return gemv.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 

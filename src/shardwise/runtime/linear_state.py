@@ -168,8 +168,6 @@ FUSED = True
 """Whether one-position steps run the compiled ``fused_step`` op where it builds (tests switch it off to
 hold the op against the torch path it replaces)."""
 
-_fused: list = []  # [the op, or None where it did not build]: decided once per process
-
 
 def fused_step(device: torch.device):
     """The compiled ``shardwise_la.gated_delta_step`` (``csrc/linear_attention.cpp``): one position of a
@@ -182,15 +180,9 @@ def fused_step(device: torch.device):
     rounding. Always None for tensors on ``device`` other than the CPU."""
     if not FUSED or device.type != "cpu":
         return None
-    if not _fused:
-        from shardwise.runtime import cpp_ops
+    from shardwise.runtime import cpp_ops
 
-        try:
-            cpp_ops.load("linear_attention.cpp")
-            _fused.append(torch.ops.shardwise_la.gated_delta_step)
-        except (RuntimeError, OSError, ImportError):
-            _fused.append(None)
-    return _fused[0]
+    return cpp_ops.optional_op("linear_attention.cpp", "shardwise_la", "gated_delta_step")
 
 
 def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,

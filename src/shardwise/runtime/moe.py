@@ -255,8 +255,7 @@ class SparseMoE(nn.Module):
         (every product padded to row blocks), or experts that are not plain float SwiGLU with stacked
         gate|up (MXFP4 or int weights, another activation); ``out`` must be in x's dtype. Decided at the
         first one-row step (after loading) and kept."""
-        if (x.device.type != "cpu" or out.dtype != x.dtype or torch._C._is_torch_function_mode_enabled()
-                or gemv.experts_kernel(x.dtype) is None):
+        if not gemv.applies(x) or out.dtype != x.dtype or gemv.experts_kernel(x.dtype) is None:
             return None
         if not hasattr(self, "_row"):
             row = {}
