@@ -12,8 +12,9 @@ All figures come from this one run on this machine, so the ratios are what to re
    (every layer's weights and the LM head; the embedding reads one row; the KV cache at
    this context is < 0.1 % and left out); the triad ceiling is printed next to it.
 2. **shardwise tp=1**: ``generate`` in this process (greedy, static KV cache), decode tok/s,
-   as shipped (plain one-row GEMVs) and with ``exact=True`` (every GEMM padded to 16 rows,
-   the numerics speculative decoding verifies with), to show what that exactness costs.
+   as shipped (plain one-row GEMVs) and with ``exact=True`` (row-invariant products: float32's
+   fixed-order kernel, bfloat16 GEMMs padded to 16 rows; the numerics speculative decoding
+   verifies with and serving runs), to show what that exactness costs.
 3. **transformers**: ``LlamaForCausalLM.generate`` on the same safetensors checkpoint, same
    dtype, greedy, ``use_cache``; decode tok/s = (N − 1) / (t(N new tokens) − t(1 new token)).
    Rounds alternate 2 and 3; the best round of each is kept.
@@ -119,7 +120,7 @@ def token_bytes(folder: Path, itemsize: int) -> int:
 
 
 def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dtype: str) -> tuple[float, float]:
-    """Decode tok/s as shipped (one-row GEMVs) and with ``exact=True`` (16-row blocks)."""
+    """Decode tok/s as shipped (one-row GEMVs) and with ``exact=True`` (row-invariant products)."""
     from shardwise.plan import ParallelPlan
     from shardwise.runtime.generate import generate
     from shardwise.runtime.loader import load_shard, load_spec
@@ -303,7 +304,7 @@ def main() -> None:
     print(f"memory bandwidth: read {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s "
           f"-> roofline {ceiling:.2f} tok/s (triad: {bw['triad'] * 1e9 / weight_bytes:.2f})")
     print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in ours)}), as shipped")
-    print(f"  exact=True     {padded:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in exact)}), 16-row GEMMs")
+    print(f"  exact=True     {padded:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in exact)}), row-invariant products")
     print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
     print(f"shardwise / transformers = {best / hf:.2f}x ({padded / hf:.2f}x with exact=True); "
           f"shardwise / roofline = {100 * best / ceiling:.0f}% ({100 * padded / ceiling:.0f}%)")

@@ -70,6 +70,6 @@ def test_other_cases_are_f_linear():
             calls.append(func)
             return func(*args, **(kwargs or {}))
 
-    with row_blocked(), Spy():  # inside the exact mode one row goes through F.linear (padded to a block)
+    with row_blocked(), Spy():  # inside the exact mode one row goes through F.linear (made row-invariant there)
         linear(one, weight)
     assert F.linear in calls and torch.mv not in calls

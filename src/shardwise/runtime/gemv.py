@@ -25,8 +25,8 @@ SOURCE = "decode_gemv.cpp"
 
 def applies(x: torch.Tensor) -> bool:
     """Whether a one-row product of ``x`` may take this module's paths: on the CPU, and outside
-    ``exact.row_blocked()`` (a torch-function mode under which every product stays ``F.linear``,
-    padded to whole row blocks)."""
+    ``exact.row_blocked()`` (a torch-function mode under which every product is ``F.linear`` made
+    row-invariant: a fixed-order kernel or whole row blocks)."""
     return x.device.type == "cpu" and not torch._C._is_torch_function_mode_enabled()
 
 

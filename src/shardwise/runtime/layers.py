@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Decode at batch 1 is one row per layer; torch's bfloat16 ``F.linear`` streams one row's weight at
     half ``torch.mv``'s speed (17 vs 33 GB/s here, 5632x4 x 2048). ``gemv.mv``: ``torch.mv`` (F.linear's
     bits) in float32, a compiled kernel in bfloat16. An ``IntWeight`` (packed int8/int4) runs its own
-    kernel. Under ``exact.row_blocked()`` every product stays ``F.linear`` (padded to row blocks).
+    kernel. Under ``exact.row_blocked()`` every product stays ``F.linear`` (made row-invariant there).
     """
     if isinstance(weight, IntWeight):  # weight-only int8/int4, packed in memory (runtime.int_matmul)
         y = weight(x)

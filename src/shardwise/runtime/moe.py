@@ -252,7 +252,7 @@ class SparseMoE(nn.Module):
     def _row_weights(self, x: torch.Tensor, out: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
         """{expert: (gate|up weight, down weight)} for ``gemv.experts_kernel``, or None where a one-row
         step runs expert by expert: no kernel for this dtype, not on CPU, inside ``exact.row_blocked()``
-        (every product padded to row blocks), or experts that are not plain float SwiGLU with stacked
+        (every product row-invariant there), or experts that are not plain float SwiGLU with stacked
         gate|up (MXFP4 or int weights, another activation); ``out`` must be in x's dtype. Decided at the
         first one-row step (after loading) and kept."""
         if not gemv.applies(x) or out.dtype != x.dtype or gemv.experts_kernel(x.dtype) is None:

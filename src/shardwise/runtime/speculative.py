@@ -24,7 +24,7 @@ Every rank runs the same loop (like ``generate``):
 
 Greedy speculative output is token-for-token the plain greedy output of
 ``generate(..., exact=True)``: the verify pass computes every position's logits bit for bit
-as a single-token step would (``runtime.exact``: linears on 16-row blocks in both paths,
+as a single-token step would (``runtime.exact``: row-invariant linears in both paths,
 attention row by row over each position's own keys). The default plain path runs faster
 one-row matmuls, which can differ in the last bits. Sampling output has the plain sampling distribution, not the
 same draws.
