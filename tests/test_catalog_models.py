@@ -101,6 +101,7 @@ ALIASED = {
     "DeepSeek R1 671B": "deepseek-r1",
     "DeepSeek-R1": "deepseek-r1",
     "DeepSeek V3.1": "deepseek-v3.1",
+    "Llama 3.2 3B Instruct": "llama-3.2-3b-instruct",
 }
 
 
@@ -118,7 +119,14 @@ def test_other_names_do_not_fall_into_the_new_aliases():
     assert match_alias("models", "Llama 3.3 70B")["key"] == "llama-3.3-70b-instruct"
     assert match_alias("models", "Llama 3 70B")["key"] == "llama-3.1-70b"
     assert match_alias("models", "Qwen3-Coder-30B-A3B-Instruct")["key"] == "qwen3-30b-a3b"
-    assert match_alias("models", "Llama 3.2 3B Instruct") is None  # no bundled config: unresolved, not guessed
+    assert match_alias("models", "Qwen2.5-Coder-14B") is None  # no bundled config: unresolved, not guessed
+    assert match_alias("models", "Llama 3.2 3B")["key"] == "llama-3.2-3b"  # base, not the Instruct file
+    assert match_alias("models", "llama3.2:3b")["key"] == "llama-3.2-3b-instruct"  # Ollama's tag is Instruct
+    assert match_alias("models", "deepseek-r1:70b")["key"] == "deepseek-r1-distill-llama-70b"
+    assert match_alias("models", "deepseek-r1:7b")["key"] == "deepseek-r1-distill-qwen-7b"
+    assert match_alias("models", "deepseek-r1:14b") is None  # a distill with no bundled config, not the 671B model
+    assert match_alias("models", "deepseek-r1:671b")["key"] == "deepseek-r1"
+    assert match_alias("models", "qwen2.5:0.5b")["key"] == "qwen2.5-0.5b"
 
 
 def test_new_families_count_their_own_tensors():
@@ -137,3 +145,24 @@ def test_new_families_count_their_own_tensors():
     q35 = load_model("qwen3.5-27b")
     kinds = [lay.attention for lay in q35.layers]
     assert q35.moe is None and kinds.count("gated_deltanet") == 3 * kinds.count("gated_attention") == 48
+
+
+def test_llama_3_2_ties_its_head_and_caches_as_vllm_measured():
+    # Llama-3.2-3B-Instruct ties the LM head to the embedding (no second vocab x hidden matrix): 28 layers,
+    # hidden 3072, 24 query / 8 KV heads of 128, intermediate 8192, vocab 128256
+    h, kv, inter, vocab, n = 3072, 8 * 128, 8192, 128256, 28
+    layer = 2 * h * h + 2 * kv * h + 3 * h * inter + 2 * h
+    m = load_model("llama-3.2-3b-instruct")
+    assert m.total_params == n * layer + vocab * h + h == 3_212_749_824
+    # 28 layers x (K + V) x 8 heads x 128 x 2 bytes: the 114,688 B/token that vLLM's own KV sizing reproduces
+    # (13.87 GiB for 129,888 tokens; see the llama-3.2-3b-instruct row of models/SOURCES.md)
+    assert m.cache_bytes_per_token() == 114_688
+    assert load_model("llama-3.2-1b").total_params == load_model("llama-3.2-1b-instruct").total_params
+
+
+def test_r1_distill_qwen_7b_ignores_its_unused_sliding_window():
+    # sliding_window 4096 but use_sliding_window false: all 28 layers keep the whole context,
+    # 28 x (K + V) x 4 KV heads x 128 x 2 bytes a token
+    m = load_model("deepseek-r1-distill-qwen-7b")
+    assert {(lay.attention, lay.window) for lay in m.layers} == {("gqa", None)}
+    assert m.cache_bytes(100_000) == 100_000 * 28 * 2 * 4 * 128 * 2

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardwise.errors import ShardwiseError
 from shardwise.perf.decode import layout_table, overhead_seconds, step_terms
 from shardwise.perf.estimate import decode_speed, formats_bits, hardware_of, prefill_speed
 from shardwise.perf.speculative import tokens_per_step
@@ -177,10 +178,15 @@ def render_profiles(profiles: dict[str, RuntimeProfile], csv_name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Fit and rewrite the bundled profiles.toml."""
+    """Fit and rewrite the bundled profiles.toml (``python -m shardwise.perf.calibrate [CSV]``)."""
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0].startswith("-"):
+        raise SystemExit("usage: python -m shardwise.perf.calibrate [measurements.csv]  (refits profiles.toml)")
     path = Path(args[0]) if args else DEFAULT_CSV
-    fitted = calibrate(path)
+    try:
+        fitted = calibrate(path)
+    except ShardwiseError as exc:
+        raise SystemExit(f"error: {exc}") from None
     target = resources.files("shardwise.spec.catalog").joinpath("profiles.toml")
     Path(str(target)).write_text(render_profiles(fitted, "data/measurements.csv"))
     for p in fitted.values():
