@@ -12,9 +12,9 @@ All figures come from this one run on this machine, so the ratios are what to re
    (every layer's weights and the LM head; the embedding reads one row; the KV cache at
    this context is < 0.1 % and left out); the triad ceiling is printed next to it.
 2. **shardwise tp=1**: ``generate`` in this process (greedy, static KV cache), decode tok/s,
-   as shipped (plain one-row GEMVs) and with ``exact=True`` (row-invariant products: float32's
-   fixed-order kernel, bfloat16 GEMMs padded to 16 rows; the numerics speculative decoding
-   verifies with and serving runs), to show what that exactness costs.
+   as shipped (plain one-row GEMVs) and with ``exact=True`` (row-invariant products: the
+   compiled fixed-order float32 / AMX bfloat16 kernels of ``runtime.exact``; the numerics
+   speculative decoding verifies with and serving runs), to show what that exactness costs.
 3. **transformers**: ``LlamaForCausalLM.generate`` on the same safetensors checkpoint, same
    dtype, greedy, ``use_cache``; decode tok/s = (N − 1) / (t(N new tokens) − t(1 new token)).
    Rounds alternate 2 and 3; the best round of each is kept.

@@ -1,9 +1,11 @@
-"""The fixed-order float32 product ``exact.row_blocked()`` runs on CPU (``csrc/row_linear.cpp``): every
-row's result is the same bits whatever else shares the call (rows before it, after it, how many, how
-many threads), within float32 rounding of the float64 product, for widths with and without a 16-lane
-tail and row counts crossing the kernel's 4-row tiles and 64-row chunks; under ``row_blocked()`` float32
-products run it (bias added after), other dtypes keep the padded ``F.linear``. The speculative and
-serving tests hold the end-to-end consequence (verify passes equal single steps, bit for bit)."""
+"""The row-invariant products ``exact.row_blocked()`` runs on CPU (``csrc/row_linear.cpp``): float32 (fixed-order
+AVX-512 kernel) and bfloat16 (AMX tiles). Every row's result is the same bits whatever else shares the call
+(rows before it, after it, how many, how many threads), within float32 rounding (bfloat16: one bfloat16
+rounding) of the float64 product, for widths with and without a tail (16 lanes; 32-wide AMX steps), weight row
+counts with and without a 16-row tail, and row counts crossing the kernels' tiles, 64-row chunks and (bfloat16)
+K blocks; under ``row_blocked()`` float32 and bfloat16 products run them (bias added after), other dtypes keep
+the padded ``F.linear``. The speculative and serving tests hold the end-to-end consequence (verify passes equal
+single steps, bit for bit)."""
 
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from shardwise.runtime import exact
 from shardwise.runtime.exact import row_blocked
 
 
-def _kernel():
+def _kernel(dtype=torch.float32):
+    flag = {torch.float32: "avx512f", torch.bfloat16: "amx_bf16"}[dtype]
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if "avx512f" not in flags:
-        pytest.skip("this CPU has no AVX-512F: row_blocked() pads every product to whole row blocks")
-    op = exact.fixed_order_linear(torch.zeros(1, 4), torch.zeros(4, 4))
-    assert op is not None, "AVX-512F CPU but the fixed-order kernel did not build"
+    if flag not in flags:
+        pytest.skip(f"this CPU has no {flag}: row_blocked() pads {dtype} products to whole row blocks")
+    op = exact.fixed_order_linear(torch.zeros(1, 4, dtype=dtype), torch.zeros(4, 4, dtype=dtype))
+    assert op is not None, f"{flag} CPU but the {dtype} row-invariant kernel did not build (or load)"
     return op
 
 
@@ -49,7 +52,7 @@ def test_rows_do_not_depend_on_the_batch(n, k):
         torch.set_num_threads(threads)
 
 
-def test_row_blocked_runs_it_for_float32_only():
+def test_row_blocked_runs_it_for_float32():
     op = _kernel()
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(96, 48, generator=gen), torch.randn(96, generator=gen)
@@ -57,9 +60,51 @@ def test_row_blocked_runs_it_for_float32_only():
     with row_blocked():
         got = F.linear(x, weight, bias)
     assert torch.equal(got, (op(x.reshape(6, 48), weight) + bias).view(2, 3, 96))
-    x16, w16 = x.bfloat16(), weight.bfloat16()
+    x16, w16 = x.half(), weight.half()
     with row_blocked():
         got16 = F.linear(x16, w16)
     padded = F.linear(F.pad(x16.reshape(6, 48), (0, 0, 0, exact.ROW_BLOCK - 6)), w16)[:6]
     assert torch.equal(got16, padded.view(2, 3, 96))
     assert exact.fixed_order_linear(x.reshape(6, 48), weight.T) is None  # a transposed view: padded F.linear
+    assert exact.fixed_order_linear(x.reshape(6, 48), weight.bfloat16()) is None  # mixed dtypes
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(37, 2048, 70), (130, 100, 70), (5, 17, 70), (1, 16, 40), (64, 5635, 70),
+                                           (48, 64, 17), (37, 5635, 300)])
+def test_bfloat16_rows_do_not_depend_on_the_batch(n, k, m):
+    op = _kernel(torch.bfloat16)
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    many = op(x, weight)
+    assert many.shape == (m, n) and many.dtype == torch.bfloat16
+    want = x.double() @ weight.double().T  # bfloat16 products are exact in float32: only the sums round
+    bound = 2.0**-8 * want.abs() + (k + 1) * 2.0**-23 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert bool(((many.double() - want).abs() <= bound).all())
+    for i in (0, 1, 5, 15, 16, 31, 32, m - 1):
+        assert torch.equal(op(x[i : i + 1].contiguous(), weight), many[i : i + 1]), (n, k, i)
+    for lo, hi in ((3, 10), (m - 10, m), (0, 9), (0, 33), (17, m)):
+        assert torch.equal(op(x[lo:hi].contiguous(), weight), many[lo:hi]), (n, k, lo, hi)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(op(x, weight), many)
+        torch.set_num_threads(2)
+        assert torch.equal(op(x, weight), many)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_row_blocked_runs_it_for_bfloat16():
+    op = _kernel(torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(100, 80, generator=gen).bfloat16()
+    bias = torch.randn(100, generator=gen).bfloat16()
+    x = torch.randn(3, 7, 80, generator=gen).bfloat16()
+    with row_blocked():
+        got = F.linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (op(x.reshape(21, 80), weight) + bias).view(3, 7, 100))
+    with row_blocked():
+        alone = F.linear(x[1:2, 4:5], weight, bias)
+    assert torch.equal(alone, got[1:2, 4:5])

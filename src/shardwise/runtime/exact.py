@@ -19,17 +19,19 @@ things break that on CPU:
   therefore runs a verify pass row by row over exactly the keys ``0..p``.
 
 ``row_blocked()`` (or the decorator ``in_row_blocks``) handles the first two: while it is
-active, every float32 ``F.linear`` on CPU runs the runtime's fixed-order kernel
-(``csrc/row_linear.cpp``: each output one 16-lane dot product in ascending k, whatever M, the
-other rows and the thread), any other ``F.linear`` (bfloat16, GPU, a non-contiguous weight, no
-AVX-512 or no compiler) pads its rows (all leading dimensions flattened) with zero rows
+active, every float32 or bfloat16 ``F.linear`` on CPU runs one of the runtime's row-invariant
+kernels (``csrc/row_linear.cpp``; float32: each output one 16-lane dot product in ascending k,
+whatever M, the other rows and the thread; bfloat16, on CPUs with AMX-BF16: each output one
+element of a full 16 x 16 AMX tile product accumulated over k in ascending 32-wide steps, rounded
+once to bfloat16), any other ``F.linear`` (float16, GPU, a non-contiguous weight, no AVX-512 / AMX
+or no compiler) pads its rows (all leading dimensions flattened) with zero rows
 to a multiple of ``ROW_BLOCK`` = 16 and drops them afterwards, and SiLU / sigmoid / rsqrt
 run on their input flattened and zero-padded to a multiple of ``VECTOR_BLOCK`` = 64
 elements (every element on the vector path). ``speculative_generate`` runs under it, and
 ``generate(..., exact=True)`` does too — then the plain decode path computes its one row
-through the same 16-row GEMM the verify pass uses for its k+1 rows, so plain and speculative
-greedy outputs agree token for token (``tests/test_speculative.py`` checks the logits bit
-for bit per architecture at tp 1 and 2). RMSNorm's reduction, softmax over the last
+through the same row-invariant product the verify pass uses for its k+1 rows, so plain and
+speculative greedy outputs agree token for token (``tests/test_speculative.py`` checks the
+logits bit for bit per architecture at tp 1 and 2). RMSNorm's reduction, softmax over the last
 dimension, routing, expert dispatch and the all-reduces already work row by row (or
 element by element with exact arithmetic) and need nothing.
 
@@ -37,10 +39,13 @@ Costs: the ``TorchFunctionMode`` dispatch, a Python call per torch operation, an
 product is padded, a 16-row GEMM where a GEMV would do: a 2048x5632 float32 weight padded to 16
 rows streams at ~10-11 GB/s here against 25-30 GB/s one row at a time. The fixed-order kernel
 streams it at 25-30 GB/s for 1-4 rows, 23 at 8 and 13-17 at 16 (padded MKL: 10-12 at every
-size), and reaches 70-80% of MKL's GFLOP/s on prefill-sized blocks (64-256 rows); measured side
-by side in one process, two threads. Plain ``generate`` runs one-row products (MKL's GEMV in
-float32) unless asked for ``exact``; its greedy tokens can then differ from a speculative run's
-only where two logits tie to the last bits.
+size), and reaches 70-80% of MKL's GFLOP/s on prefill-sized blocks (64-256 rows). In bfloat16
+the padded product (oneDNN) streams a 5632x2048 or 2048x5632 weight at 13-19 GB/s for 1-16
+rows, the AMX kernel at 20-30 GB/s (the one-row GEMV's speed), and at 64-256 rows the kernel
+reaches 620-1090 GFLOP/s against oneDNN's 400-650; measured side by side in one process, two
+threads. Plain ``generate`` runs one-row products (MKL's GEMV in float32) unless asked for
+``exact``; its greedy tokens can then differ from a speculative run's only where two logits tie
+to the last bits.
 """
 
 from __future__ import annotations
@@ -63,14 +68,19 @@ multiple of this (a whole number of the vectorised loop's chunks: no scalar tail
 _ELEMENTWISE = frozenset({F.silu, torch.sigmoid, torch.Tensor.sigmoid, torch.rsqrt, torch.Tensor.rsqrt})
 
 
+_KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
+
+
 def fixed_order_linear(rows: torch.Tensor, weight: torch.Tensor):
-    """The compiled ``shardwise_rows.linear_f32(rows, weight)`` op where it computes this product
-    (float32 rows [M, K] and a contiguous float32 weight [N, K] on CPU, an AVX-512 build), else None."""
-    if rows.device.type != "cpu" or rows.dtype != torch.float32 or weight.dtype != torch.float32:
+    """The compiled ``shardwise_rows`` op for this product where one computes it (rows [M, K] and a
+    contiguous weight [N, K] of one dtype on CPU: ``linear_f32`` for float32 on an AVX-512 build,
+    ``linear_bf16`` for bfloat16 on an AMX-BF16 build that Linux lets use the tile registers), else None."""
+    name = _KERNELS.get(rows.dtype)
+    if rows.device.type != "cpu" or name is None or weight.dtype != rows.dtype:
         return None
     if weight.dim() != 2 or not weight.is_contiguous():
         return None
-    return cpp_ops.optional_op("row_linear.cpp", "shardwise_rows", "linear_f32")
+    return cpp_ops.optional_op("row_linear.cpp", "shardwise_rows", name)
 
 
 class row_blocked(TorchFunctionMode):  # lower case: used like a function, ``with row_blocked():``
