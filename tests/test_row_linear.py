@@ -67,6 +67,10 @@ def test_row_blocked_runs_it_for_float32():
     assert torch.equal(got16, padded.view(2, 3, 96))
     assert exact.fixed_order_linear(x.reshape(6, 48), weight.T) is None  # a transposed view: padded F.linear
     assert exact.fixed_order_linear(x.reshape(6, 48), weight.bfloat16()) is None  # mixed dtypes
+    with row_blocked(float32_kernel=False):  # serving's prefill forwards: float32 on the padded GEMM
+        got_padded = F.linear(x, weight, bias)
+    padded32 = F.linear(F.pad(x.reshape(6, 48), (0, 0, 0, exact.ROW_BLOCK - 6)), weight, bias)[:6]
+    assert torch.equal(got_padded, padded32.view(2, 3, 96))
 
 
 @pytest.mark.parametrize(("n", "k", "m"), [(37, 2048, 70), (130, 100, 70), (5, 17, 70), (1, 16, 40), (64, 5635, 70),

@@ -12,6 +12,9 @@ them).
 
 Every forward runs under ``exact.row_blocked()``: a row's result does not depend on the other
 rows of the batch, which is what makes a request's greedy output independent of the load.
+Prefill forwards take the padded GEMM for float32 products (``float32_kernel=False``: faster at
+their row counts, and a prompt's rows only ever meet other prompts' rows), decode steps and
+verify passes the fixed-order kernel (a verify pass must equal single steps).
 """
 
 from __future__ import annotations
@@ -68,17 +71,19 @@ class StepRunner:
         """Run one step: (greedy token ids of the ``greedy`` rows, float32 logits of the ``sample`` rows)."""
         t0 = time.perf_counter()
         model, rows = self.model, []
+        decode, prefill = message["decode"], message["prefill"]
         with row_blocked():
-            decode, prefill = message["decode"], message["prefill"]
             if decode is not None and decode.get("drafts"):  # one sequence: verify its drafts in one pass
                 ids = torch.tensor([decode["tokens"] + decode["drafts"]])
                 rows.append(model(ids, decode["positions"][0], slots=decode["slots"])[0])
             elif decode is not None:
                 ids = torch.tensor(decode["tokens"]).unsqueeze(1)
                 rows.append(model(ids, decode["positions"], slots=decode["slots"])[:, -1])
-            if prefill is not None:  # chunks of one length, one row per sequence
+        if prefill is not None:  # chunks of one length, one row per sequence
+            with row_blocked(float32_kernel=False):
                 hidden = model(torch.tensor(prefill["ids"]), prefill["starts"], slots=prefill["slots"])
-                rows += [hidden[i:i + 1, -1] for i, last in enumerate(prefill["last"]) if last]
+            rows += [hidden[i:i + 1, -1] for i, last in enumerate(prefill["last"]) if last]
+        with row_blocked():
             greedy = logits = None
             if rows:
                 hidden = torch.cat(rows)
