@@ -108,11 +108,11 @@ class _PoisonRejected(Drafter):
                     buf[:, length:] = float("nan")
 
 
-def _load(folder: str, tp: int, rank: int, max_batch: int = 1):
+def _load(folder: str, tp: int, rank: int, max_batch: int = 1, dtype: torch.dtype = torch.float32):
     from shardwise.runtime.loader import load_shard, load_spec
     from shardwise.runtime.model import ShardedCausalLM
 
-    model = ShardedCausalLM(load_spec(folder), ParallelPlan(tp=tp, ep=1), rank, torch.float32,
+    model = ShardedCausalLM(load_spec(folder), ParallelPlan(tp=tp, ep=1), rank, dtype,
                             max_seq_len=80, max_batch=max_batch, max_step_tokens=max(KS) + 1)
     load_shard(model, folder)
     return model
@@ -127,6 +127,13 @@ def _verify_equals_steps(model) -> bool:
         single = torch.stack([model.logits(ids[:, i : i + 1], 8 + i)[0, 0] for i in range(9)])
         batched = model.logits(ids, 8)[0]
     return bool(torch.equal(single, batched))
+
+
+def test_verify_equals_steps_in_bfloat16(ckpts):
+    """bfloat16 runs (AMX's row-invariant product where the CPU has it, else padded blocks): a 9-position
+    verify pass gives every position the bits of its single step, per architecture."""
+    for key, c in ckpts.items():
+        assert _verify_equals_steps(_load(c["raw"], 1, 0, dtype=torch.bfloat16)), key
 
 
 def _rank_cases(rank: int, world_size: int, cases: list, poison: bool) -> list[dict]:

@@ -5,11 +5,13 @@ default checkpoint answers with text (what a future ``shardwise serve`` with no 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.cpp_extension import get_default_build_root
 
 from conftest import run_cli
 from shardwise.plan import ParallelPlan
@@ -84,9 +86,16 @@ def test_auto_tokenizer_chat_template_and_round_trip(llama):
         assert load_tokenizer(llama).decode(encode_prompt(llama, t), skip_special_tokens=False) == t, t
 
 
+def _fresh_cache(tmp_path, monkeypatch) -> None:
+    """An empty ``$XDG_CACHE_HOME`` for the checkpoint cache; the compiled ops keep the machine's build
+    cache (torch's build root follows ``$XDG_CACHE_HOME``: each test would compile them again, ~20 s)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+
 def test_default_checkpoint_answers_a_chat_with_text(tmp_path, monkeypatch):
     """The default checkpoint, built fresh, turns a chat into ids and its reply into text."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _fresh_cache(tmp_path, monkeypatch)
     folder = default_checkpoint()
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     ids = _ids(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
@@ -103,7 +112,7 @@ def test_old_cached_default_gets_the_chat_template(tmp_path, monkeypatch):
     """A default checkpoint cached before the chat template (no tokenizer_config.json nor
     generation_config.json, the old 512-id tokenizer) gets the current tokenizer files; config and
     weights are left as they were."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _fresh_cache(tmp_path, monkeypatch)
     fresh = default_checkpoint()
     expected = {n: (fresh / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json",
                                                       "generation_config.json")}
@@ -121,10 +130,10 @@ def test_old_cached_default_gets_the_chat_template(tmp_path, monkeypatch):
     assert stops == [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
 
 
-def test_cli_run_default_prompt_text(tmp_path):
+def test_cli_run_default_prompt_text(tmp_path, monkeypatch):
     """`shardwise run --prompt hello` on the default checkpoint (built in a fresh cache)."""
-    proc = run_cli("run", "--prompt", "hello", "--max-new-tokens", "5", "--json",
-                   env={"XDG_CACHE_HOME": str(tmp_path)})
+    _fresh_cache(tmp_path, monkeypatch)
+    proc = run_cli("run", "--prompt", "hello", "--max-new-tokens", "5", "--json")  # inherits both variables
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["plan"]["tp"] == 2 and 1 <= len(doc["tokens"]) <= 5
