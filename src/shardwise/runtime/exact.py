@@ -39,7 +39,7 @@ Costs: the ``TorchFunctionMode`` dispatch, a Python call per torch operation, an
 product is padded, a 16-row GEMM where a GEMV would do: a 2048x5632 float32 weight padded to 16
 rows streams at ~10-11 GB/s here against 25-30 GB/s one row at a time. The fixed-order kernel
 streams it at 25-30 GB/s for 1-4 rows, 23 at 8 and 13-17 at 16 (padded MKL: 10-12 at every
-size), and reaches 70-80% of MKL's GFLOP/s on prefill-sized blocks (64-256 rows). In bfloat16
+size), and reaches 60-80% of MKL's GFLOP/s on prefill-sized blocks (64-256 rows). In bfloat16
 the padded product (oneDNN) streams a 5632x2048 or 2048x5632 weight at 13-19 GB/s for 1-16
 rows, the AMX kernel at 20-30 GB/s (the one-row GEMV's speed), and at 64-256 rows the kernel
 reaches 620-1090 GFLOP/s against oneDNN's 400-650; measured side by side in one process, two
