@@ -11,6 +11,8 @@ import contextlib
 import io
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +57,27 @@ def cli_in_process(*args: str) -> tuple[int, str, str]:
     finally:
         sys.argv = argv
     return code, out.getvalue(), err.getvalue()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, below Linux's ephemeral range (32768-60999): a port the kernel
+    hands out for ``bind(0)`` could be taken by another process (a gloo rendezvous, a client's socket)
+    between this check and the server's own bind, which happened in CI."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free loopback port in 20000-31999")
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU lists ``flag`` (e.g. ``avx512_bf16``) in /proc/cpuinfo (False where there is none)."""
+    return os.path.exists("/proc/cpuinfo") and flag in open("/proc/cpuinfo").read().split()
 
 
 def alive(pid: int) -> bool:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,25 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_argv, cli_env, plan_json
+from conftest import cli_argv, cli_env, free_port, plan_json
 
 READY_S = 120.0  # a cold start imports torch and transformers and loads the shards
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on, below Linux's ephemeral range (32768-60999): a port the kernel
-    hands out for ``bind(0)`` could be taken by another process (a gloo rendezvous, a client's socket)
-    between this check and the server's own bind, which happened in CI."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free loopback port in 20000-31999")
 
 
 def http(url: str, body: bytes | dict | list | None = None, timeout: float = 30.0) -> tuple[int, bytes]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import free_port
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import comm
 from shardwise.runtime.launch import RankFailure, launch_local
@@ -70,12 +70,6 @@ def _mark(tmp: str, rank: int, name: str, text: str) -> None:
     path = Path(tmp) / f"rank{rank}.{name}"
     path.with_suffix(".tmp").write_text(text)
     path.with_suffix(".tmp").rename(path)  # readers never see a half-written file
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- workers
@@ -242,7 +236,7 @@ def test_init_from_env_names_missing_variables(monkeypatch):
 
 
 def test_init_from_env_unreachable_master_names_address(monkeypatch):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     for name, value in env.items():
@@ -267,7 +261,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
         "print(f'RESULT {RankContext.current()} sum={t.item()}', flush=True)\n"
         "dist.destroy_process_group()\n"
     )
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import free_port, run_cli
 from shardwise.measure.probe import message_sizes
 from shardwise.measure.probe_fit import bus_bandwidth, fit_alpha_beta, ring_alpha_beta
 from shardwise.perf.allreduce_choice import RUNNABLE_FLAT, choose_allreduce
@@ -18,12 +17,6 @@ from shardwise.runtime.host_costs import REFERENCE_MESSAGE_BYTES
 from shardwise.spec.hardware import load_cluster_file
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the probe's ranks share this machine's cores
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_fit_recovers_known_alpha_beta_even_with_outliers():
@@ -110,7 +103,7 @@ def test_probe_writes_a_cluster_file_that_plan_reads(probe_run, tmp_path):
 
 
 def test_unreachable_master_under_torchrun_env_fails_within_timeout():
-    port = _closed_port()
+    port = free_port()
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     t0 = time.monotonic()
     done = run_cli("probe", "--timeout", "3", env={**ONE_THREAD, **env}, timeout=60)

@@ -9,24 +9,38 @@ single steps, bit for bit)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import cpu_has
 from shardwise.runtime import exact
 from shardwise.runtime.exact import row_blocked
 
 
 def _kernel(dtype=torch.float32):
     flag = {torch.float32: "avx512f", torch.bfloat16: "amx_bf16"}[dtype]
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if flag not in flags:
+    if not cpu_has(flag):
         pytest.skip(f"this CPU has no {flag}: row_blocked() pads {dtype} products to whole row blocks")
     op = exact.fixed_order_linear(torch.zeros(1, 4, dtype=dtype), torch.zeros(4, 4, dtype=dtype))
     assert op is not None, f"{flag} CPU but the {dtype} row-invariant kernel did not build (or load)"
     return op
+
+
+def _assert_rows_alone(op, x, weight, many, rows, slices) -> None:
+    """``many`` = op(x, weight): each of ``rows`` alone and each [lo, hi) of ``slices`` give the same bits,
+    and so do one and two threads."""
+    for i in rows:
+        assert torch.equal(op(x[i : i + 1].contiguous(), weight), many[i : i + 1]), (tuple(weight.shape), i)
+    for lo, hi in slices:
+        assert torch.equal(op(x[lo:hi].contiguous(), weight), many[lo:hi]), (tuple(weight.shape), lo, hi)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(op(x, weight), many), n
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("n", "k"), [(37, 2048), (130, 100), (5, 17), (1, 16), (64, 5635)])
@@ -40,16 +54,7 @@ def test_rows_do_not_depend_on_the_batch(n, k):
     want = x.double() @ weight.double().T
     bound = 2.0**-20 * (x.double().abs() @ weight.double().abs().T) + 1e-30
     assert bool(((many.double() - want).abs() <= bound).all())
-    for i in (0, 1, 5, 63, 64, 69):
-        assert torch.equal(op(x[i : i + 1].contiguous(), weight), many[i : i + 1]), (n, k, i)
-    for lo, hi in ((3, 10), (60, 70), (0, 9)):
-        assert torch.equal(op(x[lo:hi].contiguous(), weight), many[lo:hi]), (n, k, lo, hi)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(op(x, weight), many)
-    finally:
-        torch.set_num_threads(threads)
+    _assert_rows_alone(op, x, weight, many, (0, 1, 5, 63, 64, 69), ((3, 10), (60, 70), (0, 9)))
 
 
 def test_row_blocked_runs_it_for_float32():
@@ -85,18 +90,8 @@ def test_bfloat16_rows_do_not_depend_on_the_batch(n, k, m):
     want = x.double() @ weight.double().T  # bfloat16 products are exact in float32: only the sums round
     bound = 2.0**-8 * want.abs() + (k + 1) * 2.0**-23 * (x.double().abs() @ weight.double().abs().T) + 1e-30
     assert bool(((many.double() - want).abs() <= bound).all())
-    for i in (0, 1, 5, 15, 16, 31, 32, m - 1):
-        assert torch.equal(op(x[i : i + 1].contiguous(), weight), many[i : i + 1]), (n, k, i)
-    for lo, hi in ((3, 10), (m - 10, m), (0, 9), (0, 33), (17, m)):
-        assert torch.equal(op(x[lo:hi].contiguous(), weight), many[lo:hi]), (n, k, lo, hi)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(op(x, weight), many)
-        torch.set_num_threads(2)
-        assert torch.equal(op(x, weight), many)
-    finally:
-        torch.set_num_threads(threads)
+    _assert_rows_alone(op, x, weight, many, (0, 1, 5, 15, 16, 31, 32, m - 1),
+                       ((3, 10), (m - 10, m), (0, 9), (0, 33), (17, m)))
 
 
 def test_row_blocked_runs_it_for_bfloat16():

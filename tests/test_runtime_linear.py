@@ -6,12 +6,11 @@ decoder has (odd sizes included); several rows, a bias, or ``row_blocked()`` kee
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import cpu_has
 from shardwise.runtime import gemv
 from shardwise.runtime.exact import row_blocked
 from shardwise.runtime.layers import linear
@@ -44,8 +43,7 @@ def test_bfloat16_kernel_on_this_machine():
     """Where the CPU has AVX512-BF16 (this VM's Xeon) the compiled bfloat16 GEMV is built and used; its
     float32 sums rounded once agree with the float64 product of the same bfloat16 values to within
     one bfloat16 step."""
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if "avx512_bf16" not in flags:
+    if not cpu_has("avx512_bf16"):
         pytest.skip("this CPU has no AVX512-BF16: bfloat16 one-row products stay torch.mv")
     kernel = gemv.bf16_kernel()
     assert kernel is not None

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,22 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alive, cli_env
+from conftest import alive, cli_env, free_port
 from shardwise.runtime.checkpoint import make_checkpoint
 
 LIMIT_S = 60.0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(*args: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_port()), *args],
+         "--master-port", str(free_port()), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env({"SHARDWISE_TEST_FROZEN_S": "3", **env}),
     )
 
@@ -114,7 +107,7 @@ def test_frozen_rank_under_torchrun_serve_ends_the_stream_in_an_error(tmp_path):
     """`shardwise serve` under torchrun: a rank frozen mid-stream — rank 0's watcher fails the request
     (an error event on the stream), names the rank, and every process ends."""
     ckpt = make_checkpoint("llama-3.1-8b", "tiny", tmp_path / "llama", seed=3)
-    port = _port()
+    port = free_port()
     proc = _torchrun("-m", "shardwise", "serve", str(ckpt), "--tp", "2", "--port", str(port), "--max-model-len", "256",
                      env={})
     base, ranks, stream = f"http://127.0.0.1:{port}", {}, []
