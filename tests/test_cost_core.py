@@ -19,7 +19,7 @@ CTX = 10_000
 def test_every_bundled_layer_kind_is_one_mixer_entry():
     kinds = {layer.attention for key in catalog_models() for layer in load_model(key).layers}
     assert kinds <= set(MIXERS)
-    assert kinds == {"gqa", "sliding", "mla", "gated_mla", "gated_attention", "gated_deltanet", "kda"}
+    assert kinds == {"gqa", "sliding", "mla", "gated_mla", "gated_attention", "gated_deltanet", "kda", "mamba2", "none"}
 
 
 def test_gqa_cache_per_rank_replicates_kv_heads():

@@ -217,7 +217,7 @@ def count_layouts(model: ModelSpec, plans: list[ParallelPlan], kv_bytes: float =
                                 for layer in model.layers], dtype=float),
         conv_window=np.array([model.linear_attention.conv_kernel - 1 if layer.mixer.is_linear else 0
                               for layer in model.layers]),
-        allreduces=np.array([layer.mixer.allreduces + 1 for layer in model.layers]),  # + the MLP's
+        allreduces=np.array([layer.mixer.allreduces + (layer.mlp != "none") for layer in model.layers]),  # + the MLP's
         latent=np.array([layer.mlp == "moe" and model.moe is not None and model.moe.latent_size is not None
                          for layer in model.layers]),
         global_read_numel_g=gather(lambda e: e[1][0]), embedding_row_numel=gather(lambda e: np.float64(e[1][1])),

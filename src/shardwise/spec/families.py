@@ -11,6 +11,7 @@ from typing import Any
 
 from shardwise.errors import ShardwiseError, shown
 from shardwise.spec.config_fields import Config, check_fields
+from shardwise.spec.family_nemotron_h import build_nemotron_h
 from shardwise.spec.mixers import (
     LinearAttentionSpec,
     MLASpec,
@@ -417,5 +418,6 @@ BUILDERS = {
     "qwen3_next": _build_qwen3_5_moe,
     "kimi_k3": _build_kimi_linear,
     "kimi_linear": _build_kimi_linear,
+    "nemotron_h": build_nemotron_h,
 }
 """Builder per ``model_type`` (the text config's, else the outer config's)."""

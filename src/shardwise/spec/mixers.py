@@ -10,7 +10,9 @@ what one decode position costs, all on one of ``tp`` tensor-parallel ranks:
   one step writes: ``cache_positions``, the planner's and the runtime's one ring formula);
 - ``state_bytes``: constant per-sequence state held (linear attention: the fp32 delta-rule state
   ``value_heads · d_k · d_v`` plus the short-convolution window in the cache dtype, split by
-  heads; with ``step_tokens`` > 1 the ``state_slots`` snapshots a verify pass can roll back to);
+  heads; Mamba-2 the same with its SSM state ``heads · head_dim · ssm_state_size``, see
+  ``LinearAttentionSpec``; with ``step_tokens`` > 1 the ``state_slots`` snapshots a verify pass
+  can roll back to);
 - ``snapshot_bytes``: one fp32 state (what a decode position reads or writes);
 - ``flops_per_ctx`` / ``flops_const``: attention FLOPs per position per context token, and the
   context-independent part (linear attention's state update and readout);
@@ -54,13 +56,25 @@ class MLASpec:
 
 @dataclass(frozen=True)
 class LinearAttentionSpec:
-    """Linear-attention (recurrent state) dimensions (elements)."""
+    """Linear-attention (recurrent state) dimensions (elements).
+
+    Mamba-2 fills it with the same roles: its input channels ``x`` are the value heads
+    (``mamba_num_heads`` × ``mamba_head_dim``), its ``B`` and ``C`` the key heads (``n_groups`` ×
+    ``ssm_state_size``; C reads the state as q does, B writes it as k does), so the SSM state is
+    heads · head_dim · ssm_state_size and the conv window covers x, B and C, as vLLM's
+    ``get_mamba_state_shape`` sizes them. ``value_heads_name`` / ``key_heads_name`` name them in
+    a refused ``--tp``; ``key_heads_replicate`` False allows key heads fewer than TP ranks only
+    when there is one (vLLM's MambaMixer2: n_groups divisible by tp, or 1 and replicated).
+    """
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    value_heads_name: str = "linear-attention value heads"
+    key_heads_name: str = "linear-attention key heads"
+    key_heads_replicate: bool = True
 
     @property
     def state_elems(self) -> int:
@@ -214,6 +228,37 @@ def kda_tensors(prefix: str, hidden: int, la: LinearAttentionSpec, full_rank_gat
     ]
 
 
+def mamba2_tensors(prefix: str, hidden: int, la: LinearAttentionSpec, conv_bias: bool = True) -> list[TensorSpec]:
+    """Mamba-2 mixer (transformers' NemotronHMamba2Mixer names): in_proj fused z | x | B | C | dt,
+    z, x and dt split by heads, B and C by groups (each part on its own, ``tp_parts``); the
+    depthwise conv1d (and its bias) over x | B | C likewise; A_log, D and dt_bias one per head; the
+    gated RMSNorm over the heads' width, split with them; out_proj row-parallel (vLLM's
+    MambaMixer2 shards it so)."""
+    heads, hd, n = la.num_value_heads, la.value_head_dim, la.key_head_dim
+    inner, bc = heads * hd, la.num_key_heads * n
+    xbc = ((inner, hd), (bc, n), (bc, n))
+    conv = (inner + 2 * bc,)
+    out = [
+        TensorSpec(prefix + "in_proj.weight", (2 * inner + 2 * bc + heads, hidden), LINEAR_ATTENTION, tp_dim=0,
+                   tp_parts=((inner, hd),) + xbc + ((heads, 1),)),
+        TensorSpec(prefix + "conv1d.weight", conv + (1, la.conv_kernel), LINEAR_ATTENTION, tp_dim=0, tp_parts=xbc),
+    ]
+    if conv_bias:
+        out.append(TensorSpec(prefix + "conv1d.bias", conv, LINEAR_ATTENTION, tp_dim=0, tp_parts=xbc))
+    return out + [
+        TensorSpec(prefix + "dt_bias", (heads,), LINEAR_ATTENTION, tp_dim=0),
+        TensorSpec(prefix + "A_log", (heads,), LINEAR_ATTENTION, tp_dim=0),
+        TensorSpec(prefix + "D", (heads,), LINEAR_ATTENTION, tp_dim=0),
+        TensorSpec(prefix + "norm.weight", (inner,), NORM, tp_dim=0, tp_unit=hd),
+        row(prefix + "out_proj.weight", hidden, inner, LINEAR_ATTENTION, hd),
+    ]
+
+
+def no_tensors(*args) -> list[TensorSpec]:
+    """The "none" mixer of an FFN-only block: no tensors."""
+    return []
+
+
 # ---- cost per cache style -----------------------------------------------------------------------
 
 
@@ -291,4 +336,6 @@ MIXERS: dict[str, Mixer] = {
     "gated_mla": Mixer("gated_mla", "Kimi K3 MLA with an output gate", mla_tensors, **_LATENT),
     "gated_deltanet": Mixer("gated_deltanet", "Qwen3.5 Gated DeltaNet (linear attention)", gated_deltanet_tensors, **_STATE),
     "kda": Mixer("kda", "Kimi Delta Attention (linear attention)", kda_tensors, **_STATE),
+    "mamba2": Mixer("mamba2", "Mamba-2 selective state space (recurrent state)", mamba2_tensors, **_STATE),
+    "none": Mixer("none", "no token mixer (a block with only an MLP or MoE)", no_tensors, allreduces=0),
 }

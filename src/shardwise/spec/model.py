@@ -46,8 +46,9 @@ from shardwise.spec.tensors import (  # noqa: F401  (the tensor vocabulary, re-e
 class LayerSpec:
     """One decoder layer.
 
-    attention: the mixer kind, a key of ``shardwise.spec.mixers.MIXERS``.
-    mlp: "dense" or "moe".
+    attention: the mixer kind, a key of ``shardwise.spec.mixers.MIXERS`` ("none": no mixer).
+    mlp: "dense", "moe" or "none" (a block with a mixer only: Nemotron-H's Mamba and attention
+        blocks; its MLP all-reduce is then not counted).
     window: sliding-window length in tokens for "sliding" layers.
     """
 

@@ -102,8 +102,9 @@ def parse_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     vocab = cfg.int("vocab_size")
     tie = bool(config.get("tie_word_embeddings", data.get("tie_word_embeddings", False)))
     prefix = spec_kwargs.pop("prefix", "model.")
-    globals_ = [TensorSpec(f"{prefix}embed_tokens.weight", (vocab, hidden), EMBEDDING, tp_dim=0, tp_pad=True)]
-    globals_.append(TensorSpec(f"{prefix}norm.weight", (hidden,), NORM))
+    embed, final_norm = spec_kwargs.pop("global_names", (f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"))
+    globals_ = [TensorSpec(embed, (vocab, hidden), EMBEDDING, tp_dim=0, tp_pad=True)]
+    globals_.append(TensorSpec(final_norm, (hidden,), NORM))
     globals_ += spec_kwargs.pop("extra_globals", ())  # e.g. Kimi K3's output attention residual
     if not tie:
         globals_.append(TensorSpec("lm_head.weight", (vocab, hidden), LM_HEAD, tp_dim=0, tp_pad=True))
