@@ -11,8 +11,6 @@ import contextlib
 import io
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,19 +58,12 @@ def cli_in_process(*args: str) -> tuple[int, str, str]:
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on, below Linux's ephemeral range (32768-60999): a port the kernel
-    hands out for ``bind(0)`` could be taken by another process (a gloo rendezvous, a client's socket)
-    between this check and the server's own bind, which happened in CI."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free loopback port in 20000-31999")
+    """A loopback port nothing listens on, outside the host's ephemeral range (the launcher's own
+    choice, ``launch.free_port``: a port from ``bind(0)`` was taken by another process between the
+    check and the server's bind in CI)."""
+    from shardwise.runtime.launch import free_port as launcher_port
+
+    return launcher_port("127.0.0.1")
 
 
 def cpu_has(flag: str) -> bool:

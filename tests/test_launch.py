@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from conftest import free_port
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import comm
-from shardwise.runtime.launch import RankFailure, launch_local
+from shardwise.runtime.launch import RankFailure, _ephemeral_range, free_port as launcher_port, launch_local
 from shardwise.runtime.rendezvous import RankContext, init_from_env
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -281,3 +282,15 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
         line = next(line for line in out.splitlines() if "RESULT" in line)
         assert f"rank={node}, world_size=2, local_rank=0, backend='gloo'" in line
         assert line.endswith("sum=3.0")
+
+
+def test_the_rendezvous_port_is_outside_the_ephemeral_range():
+    """The launcher's port is one no outgoing connection can be given meanwhile (a bind(0) port is
+    ephemeral: another process took one before rank 0's bind in CI); it binds now."""
+    lo, hi = _ephemeral_range()
+    ports = {launcher_port("127.0.0.1") for _ in range(20)}
+    assert len(ports) > 1 and not any(lo <= p <= hi for p in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
+    with pytest.raises(ShardwiseError, match="cannot resolve the master address"):
+        launcher_port("no-such-host.invalid")

@@ -25,6 +25,7 @@ import ipaddress
 import multiprocessing
 import os
 import pickle
+import random
 import signal
 import socket
 import sys
@@ -171,15 +172,42 @@ def _rank_main(
 # --------------------------------------------------------------------------- the launcher
 
 
-def _free_port(addr: str) -> int:
-    """A TCP port that is free on ``addr`` right now (the OS picks it)."""
+EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's net.ipv4.ip_local_port_range when /proc does not say
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports this host hands out to ``bind(0)`` and outgoing connections (inclusive)."""
+    try:
+        lo, hi = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port free on ``addr`` now and outside the host's ephemeral range, picked at random: a port
+    from ``bind(0)`` is an ephemeral one, which another process's outgoing connection (a gloo rank, a
+    client socket) can take between this check and rank 0's own bind, which happened in CI. One-line
+    error when ``addr`` cannot be bound."""
+    lo, hi = _ephemeral_range()
+    span = range(10000, lo) if lo - 10000 >= 1000 else range(hi + 1, 65536)
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind(sockaddr)
-            return sock.getsockname()[1]
     except OSError as exc:
-        raise ShardwiseError(f"cannot bind a rendezvous port on master address {addr}: {exc}") from exc
+        raise ShardwiseError(f"cannot resolve the master address {addr}: {exc}") from exc
+    rng = random.Random()
+    error: OSError | None = None
+    for _ in range(200):
+        port = rng.choice(span)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((sockaddr[0], port, *sockaddr[2:]))
+            except OSError as exc:
+                error = exc
+                continue
+            return port
+    raise ShardwiseError(f"cannot bind a rendezvous port on master address {addr} ({error}): give an address "
+                         "of this host")
 
 
 def _loopback_interface(addr: str) -> str | None:
@@ -382,7 +410,7 @@ def launch_local(
     check_backend(backend)
     if world_size < 1:
         raise ShardwiseError(f"world_size must be at least 1, got {world_size}")
-    port = master_port if master_port is not None else _free_port(master_addr)
+    port = master_port if master_port is not None else free_port(master_addr)
     env = {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(port),
