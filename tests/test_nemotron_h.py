@@ -158,3 +158,14 @@ def test_runtime_refuses_the_family(tmp_path):
     make = run_cli("make-checkpoint", "--model", "nemotron-3-nano-30b-a3b", "--out", str(tmp_path / "ck"))
     assert make.returncode != 0 and "not 'nemotron_h'" in make.stderr
     assert len(make.stderr.strip().splitlines()) == 1 and not (tmp_path / "ck").exists()
+
+
+def test_each_block_counts_half_a_layer_of_launch_overhead():
+    """A Nemotron-H block runs one mixer or one MLP: half a decoder layer's kernels, so the per-layer
+    launch overhead counts it as 1/2 (a llama layer counts 1)."""
+    nano, llama = load_model("nemotron-3-nano-30b-a3b"), load_model("llama-3.1-8b")
+    assert nano.num_layers == 52 and nano.launch_layers == 26.0
+    assert llama.launch_layers == llama.num_layers == 32
+    doc = plan_json("--model", "nemotron-3-nano-30b-a3b", "--boxes", "1", "--runtime", "vllm")
+    host = next(s for s in doc["decode"]["waterfall"] if s["step"] == "host overhead")
+    assert "x 26 layers (52 single-mixer or MLP blocks" in host["cause"]

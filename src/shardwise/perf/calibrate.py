@@ -47,7 +47,7 @@ def _row_terms(row: ResolvedRow, profile: RuntimeProfile):
     positions = sc.spec_tokens + 1
     tokens = tokens_per_step(sc.spec_tokens, sc.acceptance) if sc.spec_tokens else 1.0
     terms = step_terms(sc.model, table, hw, sc.context_tokens, positions, allreduce=profile.allreduce)
-    return terms, tokens, hw.network, len(terms.memory_s) - 1  # the LM head is the last column
+    return terms, tokens, hw.network, terms.launch_layers
 
 
 def _row_ape_grid(r: ResolvedRow, prior: RuntimeProfile) -> tuple[np.ndarray, bool]:

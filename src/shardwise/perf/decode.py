@@ -73,6 +73,7 @@ class StepTerms:
     experts_average: float
     allreduce_algorithm: str
     allreduce_s: float
+    launch_layers: float  # decoder layers the step runs, as the per-layer overhead counts them (ModelSpec.launch_layers)
 
 
 def step_terms(
@@ -99,7 +100,7 @@ def step_terms(
         flops_busiest=float(flops.sum()), experts_busiest=float(fig.experts_busiest[0]),
         experts_average=float(fig.experts_average[0]),
         allreduce_algorithm=allreduce[int(coll["algorithm"])] if tp > 1 else "none",
-        allreduce_s=float(coll["allreduce_s"]),
+        allreduce_s=float(coll["allreduce_s"]), launch_layers=model.launch_layers,
     )
 
 
@@ -133,8 +134,8 @@ def step_cost(
 
 def overhead_seconds(step_overhead_s, layer_overhead_s, layers):
     """Host and launch seconds of one step: ``step_overhead_s`` plus ``layer_overhead_s`` for each of
-    the ``layers`` decoder layers it runs (all stages': at batch 1 a pipeline runs them one after
-    another). Scalars or numpy arrays (the sweep's grid)."""
+    the ``layers`` decoder layers it runs (``ModelSpec.launch_layers``; all stages': at batch 1 a
+    pipeline runs them one after another). Scalars or numpy arrays (the sweep's grid)."""
     return step_overhead_s + layer_overhead_s * layers
 
 
@@ -163,7 +164,7 @@ def apply_profile(
     return StepCost(
         positions=terms.positions, memory_s=float(mem.sum()), compute_s=float(comp.sum()),
         layers_s=float(per_layer.sum()), collective_s=collective_s,
-        overhead_s=overhead_seconds(step_overhead_s, layer_overhead_s, len(mem) - 1),
+        overhead_s=overhead_seconds(step_overhead_s, layer_overhead_s, terms.launch_layers),
         bytes_busiest=terms.bytes_busiest, flops_busiest=terms.flops_busiest,
         experts_busiest=terms.experts_busiest, experts_average=terms.experts_average,
         allreduce_algorithm=terms.allreduce_algorithm, allreduce_s=terms.allreduce_s,

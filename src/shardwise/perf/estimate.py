@@ -256,7 +256,8 @@ def estimate(sc: Scenario, curve: bool = False) -> dict:
     steps.append({"step": "host overhead", "tok_per_s": _tok(plain),
                   "cause": f"{plain.overhead_s * 1e3:.2f} ms per step: {prof.step_overhead_s * 1e3:.2f} ms (sampling, "
                            f"scheduling) + {prof.layer_overhead_s * 1e6:.0f} us per layer (kernel launches) "
-                           f"x {m.num_layers} layers"})
+                           f"x {m.launch_layers:g} layers" + (f" ({m.num_layers} single-mixer or MLP blocks, each half a "
+                                                               f"layer's kernels)" if m.launch_layers != m.num_layers else "")})
     spec = None
     drafting_s = 0.0
     if sc.spec_tokens:

@@ -93,7 +93,7 @@ def evaluate(
     memory_s = fig.nbytes.sum(axis=1)[layout] / bw
     compute_s = fig.flops.sum(axis=1)[layout] / peak
     collective_s = _collective_s(model, table.counts, layout, hw, batch * positions, profile)
-    step_overhead_s = overhead_seconds(profile.step_overhead_s, profile.layer_overhead_s, model.num_layers)
+    step_overhead_s = overhead_seconds(profile.step_overhead_s, profile.layer_overhead_s, model.launch_layers)
     step_s = layers_s + collective_s + step_overhead_s
     tokens = tokens_per_step(spec_tokens, acceptance) if spec_tokens else 1.0
     box_bytes = np.asarray(box_bytes, dtype=float)
@@ -155,7 +155,7 @@ def evaluate_prefill(
     compute_s = _layer_max(flops, peak, nbytes, bw, layout)
     compute_s = compute_s + (2 * p_tok * model.hidden_size * c.vocab_rows)[layout] / peak
     comm = _collective_s(model, c, layout, hw, prompt_tokens, profile, sampled_positions=1)
-    total = compute_s + comm + overhead_seconds(profile.step_overhead_s, profile.layer_overhead_s, model.num_layers)
+    total = compute_s + comm + overhead_seconds(profile.step_overhead_s, profile.layer_overhead_s, model.launch_layers)
     return {
         "tok_per_s": p_tok / total,
         "compute_s": compute_s,

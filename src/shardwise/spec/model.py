@@ -219,6 +219,13 @@ class ModelSpec:
         return self.moe is not None
 
     @property
+    def launch_layers(self) -> float:
+        """Decoder layers as the per-layer launch overhead counts them (``perf.decode.overhead_seconds``):
+        a layer with a token mixer and an MLP is 1, a block with only one of them (Nemotron-H's Mamba,
+        attention, MLP and MoE blocks) is 1/2: it launches about half a full layer's kernels."""
+        return sum(0.5 if "none" in (layer.attention, layer.mlp) else 1.0 for layer in self.layers)
+
+    @property
     def num_moe_layers(self) -> int:
         """Layers with routed experts."""
         return sum(1 for layer in self.layers if layer.mlp == "moe")
