@@ -11,7 +11,9 @@ from typing import Any
 
 from shardwise.errors import ShardwiseError, shown
 from shardwise.spec.config_fields import Config, check_fields
+from shardwise.spec.family_gemma import build_gemma
 from shardwise.spec.family_nemotron_h import build_nemotron_h
+from shardwise.spec.family_phi3 import build_phi3
 from shardwise.spec.mixers import (
     LinearAttentionSpec,
     MLASpec,
@@ -419,5 +421,9 @@ BUILDERS = {
     "kimi_k3": _build_kimi_linear,
     "kimi_linear": _build_kimi_linear,
     "nemotron_h": build_nemotron_h,
+    "gemma2": build_gemma,
+    "gemma3": build_gemma,
+    "gemma3_text": build_gemma,
+    "phi3": build_phi3,
 }
 """Builder per ``model_type`` (the text config's, else the outer config's)."""
