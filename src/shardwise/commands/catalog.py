@@ -12,7 +12,8 @@ def catalog_document() -> dict:
     """Everything the planner knows by name, as one JSON-ready dict."""
     from shardwise.perf.profiles import load_profiles
     from shardwise.quant.formats import FORMATS
-    from shardwise.spec.hardware import load_catalog
+    from shardwise.spec.box_options import option_names
+    from shardwise.spec.hardware import get_box, load_catalog
     from shardwise.spec.parse import catalog_models, load_model
 
     cat = load_catalog()
@@ -24,10 +25,18 @@ def catalog_document() -> dict:
             "layers": m.num_layers, "experts": m.moe.num_experts if m.moe else 0,
             "experts_per_token": m.moe.top_k if m.moe else 0, "quant_method": m.quant_method,
         })
+
+    def options(b) -> list[dict] | None:  # each memory option as `--box KEY` plans it (GB, GB/s, USD)
+        if b.memory_options is None:
+            return None
+        return [{"key": k, "memory_gb": o.memory_gb, "memory_bandwidth_gbps": o.memory_bandwidth_gbps,
+                 "tflops_bf16": o.tflops_bf16, "list_price_usd": o.list_price_usd, "estimates": sorted(o.estimates)}
+                for k, o in ((k, get_box(k)) for k in option_names(b))]
+
     boxes = [
         {"key": k, "name": b.name, "memory_gb": b.memory_gb, "memory_bandwidth_gbps": b.memory_bandwidth_gbps,
          "tflops_bf16": b.tflops_bf16, "load_watts": b.load_watts, "list_price_usd": b.list_price_usd,
-         "estimates": sorted(b.estimates)}
+         "estimates": sorted(b.estimates), "memory_options": options(b)}
         for k, b in cat.boxes.items()
     ]
     links = [
@@ -69,11 +78,19 @@ def register(app: typer.Typer) -> None:
                       str(m["layers"]), f"{m['experts_per_token']}/{m['experts']}" if m["experts"] else "dense")
         con.print(t)
         t = Table(title="Boxes (* = contains estimates)")
-        for c in ("key", "memory GB", "GB/s", "bf16 TFLOPS", "load W", "list $"):
+        for c in ("key", "memory GB", "GB/s", "bf16 TFLOPS", "load W", "list $", "memory options GB"):
             t.add_column(c)
         for b in doc["boxes"]:
+            opts = "/".join(f"{o['memory_gb']:g}" for o in b["memory_options"] or ())
             t.add_row(b["key"] + (" *" if b["estimates"] else ""), f"{b['memory_gb']:g}", f"{b['memory_bandwidth_gbps']:g}",
-                      f"{b['tflops_bf16']:g}", f"{b['load_watts']:g}", f"{b['list_price_usd']:,.0f}")
+                      f"{b['tflops_bf16']:g}", f"{b['load_watts']:g}", f"{b['list_price_usd']:,.0f}", opts)
+        con.print(t)
+        t = Table(title="Memory options (plan each with --box KEY; * = contains estimates)")
+        for c in ("key", "memory GB", "GB/s", "bf16 TFLOPS", "list $"):
+            t.add_column(c)
+        for o in (o for b in doc["boxes"] for o in b["memory_options"] or ()):
+            t.add_row(o["key"] + (" *" if o["estimates"] else ""), f"{o['memory_gb']:g}", f"{o['memory_bandwidth_gbps']:g}",
+                      f"{o['tflops_bf16']:g}", f"{o['list_price_usd']:,.0f}")
         con.print(t)
         t = Table(title="Links (* = contains estimates)")
         for c in ("key", "kind", "GB/s", "latency us"):

@@ -11,7 +11,8 @@ catalog entry copied whole)::
     load_watts = 150                # required, W during decode
     list_price_usd = 4000           # required
     # optional: tflops_fp8, tflops_fp4, nic, nic_gbit_s, idle_watts, rated_watts,
-    # builder_price_usd, memory_options, source_<field>, estimates
+    # builder_price_usd, memory_options, option_* tables (shardwise.spec.box_options),
+    # source_<field>, estimates
 
 ``load_box_spec`` reads it into a ``Box`` (one-line errors naming the field and the fix).
 """
@@ -26,6 +27,7 @@ from typing import Any
 import msgspec
 
 from shardwise.errors import ShardwiseError, validation_message
+from shardwise.spec.box_options import OPTION_FIGURES
 from shardwise.spec.hardware import Box, read_toml
 
 BOX_SPEC_REQUIRED = ("memory_gb", "memory_bandwidth_gbps", "tflops_bf16", "load_watts", "list_price_usd")
@@ -35,7 +37,7 @@ _BOX_UNITS = {
     "tflops_fp4": "dense TFLOPS", "nic_gbit_s": "Gb/s", "idle_watts": "W", "load_watts": "W", "rated_watts": "W",
     "list_price_usd": "USD", "builder_price_usd": "USD", "memory_options": "GB",
 }
-_BOX_NUMBERS = tuple(f for f in Box.FIGURES if f not in ("nic", "memory_options"))
+_BOX_NUMBERS = tuple(f for f in Box.FIGURES if f not in ("nic", "memory_options", *OPTION_FIGURES))
 
 
 def _spec_number(where: str, field: str, value: Any) -> float:
@@ -46,6 +48,16 @@ def _spec_number(where: str, field: str, value: Any) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ShardwiseError(f"{where}: {field} must be a finite number > 0 ({unit}), got {value}; give the real figure")
     return float(value)
+
+
+def _option_table(where: str, field: str, target: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or not value:
+        raise ShardwiseError(f'{where}: {field} must be a table keyed by memory option (GB), e.g. {field} = {{ "64" = ... }}')
+    if target == "name":
+        if not all(isinstance(v, str) and v.strip() for v in value.values()):
+            raise ShardwiseError(f'{where}: {field} values must be chip names, e.g. {field} = {{ "36" = "14c CPU / 32c GPU" }}')
+        return dict(value)
+    return {gb: _spec_number(f"{where}: {field}.{gb}", target, v) for gb, v in value.items()}
 
 
 def box_from_spec(table: dict[str, Any], key: str, where: str) -> Box:
@@ -80,6 +92,9 @@ def box_from_spec(table: dict[str, Any], key: str, where: str) -> Box:
             raise ShardwiseError(
                 f"{where}: memory_gb = {fields['memory_gb']:g} is not one of memory_options {table['memory_options']}; "
                 "list it there or drop memory_options")
+    for field, target in OPTION_FIGURES.items():
+        if field in table:
+            fields[field] = _option_table(where, field, target, table[field])
     fields["name"] = table.get("name", f"{key} (box spec {where})")
     fields["nic"] = table.get("nic", "not given in the box spec")
     defaults = {
@@ -126,7 +141,7 @@ def load_box_spec(path: str | Path) -> Box:
     key = Path(path).stem
     if len(doc) == 1 and isinstance(next(iter(doc.values())), dict):
         key, doc = next(iter(doc.items()))
-    nested = sorted(k for k, v in doc.items() if isinstance(v, dict))
+    nested = sorted(k for k, v in doc.items() if isinstance(v, dict) and k not in OPTION_FIGURES)
     if nested:
         raise ShardwiseError(
             f"{where}: [{nested[0]}] is a table; a box spec holds one box: its fields at the top level or under one [key]")

@@ -43,6 +43,7 @@ import tomli_w
 from msgspec import Meta, Struct
 
 from shardwise.errors import ShardwiseError, unknown_name, validation_message
+from shardwise.spec.box_options import check_option_tables, option_box, option_index, option_keys
 from shardwise.spec.topology import Topology, topology_from_toml, topology_to_toml
 
 Positive = Annotated[float, Meta(gt=0)]
@@ -84,7 +85,8 @@ class Box(_Sourced, frozen=True, kw_only=True):
     and read; ``tflops_*`` are dense peak TFLOPS (None: no such unit or not known);
     ``nic_gbit_s`` is the fastest port's speed in Gb/s; watts are for the whole box at
     the wall where known (a GPU card's entry: the card, see its sources);
-    ``builder_price_usd`` is what the seed cluster's builder paid, where known.
+    ``builder_price_usd`` is what the seed cluster's builder paid, where known;
+    ``memory_options`` (GB) and the ``option_*`` tables: ``shardwise.spec.box_options``.
     """
 
     memory_gb: Positive
@@ -100,27 +102,22 @@ class Box(_Sourced, frozen=True, kw_only=True):
     list_price_usd: Positive
     builder_price_usd: Positive | None = None
     memory_options: tuple[Positive, ...] | None = None
+    option_memory_bandwidth_gbps: dict[str, Positive] | None = None
+    option_tflops_bf16: dict[str, Positive] | None = None
+    option_list_price_usd: dict[str, Positive] | None = None
+    option_chip: dict[str, str] | None = None
 
     FIGURES: ClassVar[tuple[str, ...]] = (
-        "memory_gb",
-        "memory_bandwidth_gbps",
-        "tflops_bf16",
-        "tflops_fp8",
-        "tflops_fp4",
-        "nic",
-        "nic_gbit_s",
-        "idle_watts",
-        "load_watts",
-        "rated_watts",
-        "list_price_usd",
-        "builder_price_usd",
-        "memory_options",
-    )
+        "memory_gb", "memory_bandwidth_gbps", "tflops_bf16", "tflops_fp8", "tflops_fp4", "nic", "nic_gbit_s",
+        "idle_watts", "load_watts", "rated_watts", "list_price_usd", "builder_price_usd", "memory_options",
+        "option_memory_bandwidth_gbps", "option_tflops_bf16", "option_list_price_usd", "option_chip",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.memory_options is not None and self.memory_gb not in self.memory_options:
             raise ValueError(f"memory_gb = {self.memory_gb:g} is not one of memory_options {list(self.memory_options)}")
+        check_option_tables(self)
 
     @property
     def memory_bytes(self) -> float:
@@ -183,9 +180,11 @@ class Measured(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
 
 
 class Catalog(Struct, frozen=True, kw_only=True):
-    """Every bundled box and link, by key; ``link_aliases`` maps alias → key."""
+    """Every bundled box and link, by key; ``link_aliases`` maps alias → key; ``box_options``
+    maps an option prefix (``mac-studio-m4-max``) to the entry offering its memory options."""
 
     boxes: dict[str, Box]
+    box_options: dict[str, Box]
     links: dict[str, Link]
     link_aliases: dict[str, str]
 
@@ -245,15 +244,19 @@ def load_catalog() -> Catalog:
             if alias in links or alias in aliases:
                 raise ShardwiseError(f"links.toml: [{key}] alias '{alias}' is already a link name or alias")
             aliases[alias] = key
-    return Catalog(boxes=boxes, links=links, link_aliases=aliases)
+    return Catalog(boxes=boxes, box_options=option_index(boxes), links=links, link_aliases=aliases)
 
 
 def get_box(name: str) -> Box:
-    """Catalog box by key; unknown keys raise ShardwiseError suggesting close ones."""
+    """Catalog box by key, or a memory option of one (``mac-studio-m4-max-64``, see
+    ``shardwise.spec.box_options``); unknown names raise ShardwiseError suggesting close ones."""
     catalog = load_catalog()
-    if name not in catalog.boxes:
-        raise unknown_name("box", name, catalog.boxes)
-    return catalog.boxes[name]
+    if name in catalog.boxes:
+        return catalog.boxes[name]
+    box = option_box(catalog.box_options, name)
+    if box is None:
+        raise unknown_name("box", name, {*catalog.boxes, *option_keys(catalog.box_options)})
+    return box
 
 
 def get_link(name: str) -> Link:
@@ -413,7 +416,11 @@ def cluster_to_toml(cluster: ClusterSpec) -> dict[str, Any]:
     """The TOML document ``write_cluster_file`` writes (catalog keys, measured figures, topology)."""
     catalog = load_catalog()
     box, link = cluster.box, cluster.link
-    if box.key not in catalog.boxes or _measured_box(catalog.boxes[box.key], cluster.measured) != box:
+    try:
+        listed = get_box(box.key)
+    except ShardwiseError:
+        listed = None
+    if listed is None or _measured_box(listed, cluster.measured) != box:
         raise ShardwiseError(
             f"cluster box '{box.key}' is not the catalog box plus [cluster.measured]; "
             "record measured figures in ClusterSpec.measured (see apply_measured)"
