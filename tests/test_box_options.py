@@ -182,3 +182,13 @@ def test_the_catalog_lists_the_options(monkeypatch):
     code, out, err = cli_in_process("catalog")
     assert code == 0, err
     assert "36/48/64/128" in out and "mac-studio-m4-max-36" in out and "Memory options" in out
+
+
+def test_an_estimated_price_says_so_in_the_plan():
+    """A box whose list price is an estimate (most memory options) is priced with a note saying so;
+    a published price is plain "list price"."""
+    estimated = plan_json("--model", "gpt-oss-20b", "--box", "mac-studio-m4-max-64", "--boxes", "1")["cost"]
+    assert estimated["price_per_box_usd"] == get_box("mac-studio-m4-max-64").list_price_usd
+    assert estimated["price_note"].startswith("list price, an estimate")
+    published = plan_json("--model", "gpt-oss-20b", "--box", "rtx-4090", "--boxes", "1")["cost"]
+    assert published["price_note"] == "list price (--price to change)"
