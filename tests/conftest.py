@@ -59,9 +59,9 @@ def cli_in_process(*args: str) -> tuple[int, str, str]:
 
 def free_port() -> int:
     """A loopback port nothing listens on, outside the host's ephemeral range (the launcher's own
-    choice, ``launch.free_port``: a port from ``bind(0)`` was taken by another process between the
+    choice, ``rendezvous.free_port``: a port from ``bind(0)`` was taken by another process between the
     check and the server's bind in CI)."""
-    from shardwise.runtime.launch import free_port as launcher_port
+    from shardwise.runtime.rendezvous import free_port as launcher_port
 
     return launcher_port("127.0.0.1")
 

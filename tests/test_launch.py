@@ -22,8 +22,9 @@ import torch.distributed as dist
 from conftest import free_port
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import comm
-from shardwise.runtime.launch import RankFailure, _ephemeral_range, free_port as launcher_port, launch_local
-from shardwise.runtime.rendezvous import RankContext, init_from_env
+from shardwise.runtime.launch import RankFailure, launch_local
+from shardwise.runtime.rendezvous import RankContext, _ephemeral_range, init_from_env
+from shardwise.runtime.rendezvous import free_port as launcher_port
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)

@@ -25,7 +25,6 @@ import ipaddress
 import multiprocessing
 import os
 import pickle
-import random
 import signal
 import socket
 import sys
@@ -43,7 +42,7 @@ import torch.distributed as dist
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S  # process-group timeout (s) for rendezvous and collectives
 from shardwise.runtime.peer_watch import frozen_s, on_peer_failure, tell_peer_failure
-from shardwise.runtime.rendezvous import check_backend, init_from_env, one_line
+from shardwise.runtime.rendezvous import check_backend, free_port, init_from_env, one_line
 
 __all__ = ["RankFailure", "launch_local", "on_peer_failure"]
 
@@ -170,44 +169,6 @@ def _rank_main(
 
 
 # --------------------------------------------------------------------------- the launcher
-
-
-EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's net.ipv4.ip_local_port_range when /proc does not say
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    """The ports this host hands out to ``bind(0)`` and outgoing connections (inclusive)."""
-    try:
-        lo, hi = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return EPHEMERAL_DEFAULT
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port free on ``addr`` now and outside the host's ephemeral range, picked at random: a port
-    from ``bind(0)`` is an ephemeral one, which another process's outgoing connection (a gloo rank, a
-    client socket) can take between this check and rank 0's own bind, which happened in CI. One-line
-    error when ``addr`` cannot be bound."""
-    lo, hi = _ephemeral_range()
-    span = range(10000, lo) if lo - 10000 >= 1000 else range(hi + 1, 65536)
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
-    except OSError as exc:
-        raise ShardwiseError(f"cannot resolve the master address {addr}: {exc}") from exc
-    rng = random.Random()
-    error: OSError | None = None
-    for _ in range(200):
-        port = rng.choice(span)
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((sockaddr[0], port, *sockaddr[2:]))
-            except OSError as exc:
-                error = exc
-                continue
-            return port
-    raise ShardwiseError(f"cannot bind a rendezvous port on master address {addr} ({error}): give an address "
-                         "of this host")
 
 
 def _loopback_interface(addr: str) -> str | None:

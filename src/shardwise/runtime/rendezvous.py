@@ -6,6 +6,8 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; the ranks that
 ``runtime.launch.launch_local`` starts on one machine call it too, with those variables
 set by the launcher.
 
+``free_port(addr)`` is the port ``launch_local`` offers the ranks when none is given.
+
 Every process group gets a finite ``timeout`` so a collective whose peer vanished
 without closing its sockets fails after ``timeout_s`` instead of hanging forever; a
 lost TCP connection (a peer process died) fails at once.
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import re
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -136,3 +140,41 @@ def check_timeout(seconds: float) -> None:
         raise ShardwiseError(f"--timeout must be > 0 seconds, got {seconds:g}")
     if seconds > MAX_TIMEOUT_S:
         raise ShardwiseError(f"--timeout must be at most {MAX_TIMEOUT_S} seconds (a week), got {seconds:g}")
+
+
+EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's net.ipv4.ip_local_port_range when /proc does not say
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports this host hands out to ``bind(0)`` and outgoing connections (inclusive)."""
+    try:
+        lo, hi = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port free on ``addr`` now and outside the host's ephemeral range, picked at random: a port
+    from ``bind(0)`` is an ephemeral one, which another process's outgoing connection (a gloo rank, a
+    client socket) can take between this check and rank 0's own bind, which happened in CI. One-line
+    error when ``addr`` cannot be bound."""
+    lo, hi = _ephemeral_range()
+    span = range(10000, lo) if lo - 10000 >= 1000 else range(hi + 1, 65536)
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        raise ShardwiseError(f"cannot resolve the master address {addr}: {exc}") from exc
+    rng = random.Random()
+    error: OSError | None = None
+    for _ in range(200):
+        port = rng.choice(span)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((sockaddr[0], port, *sockaddr[2:]))
+            except OSError as exc:
+                error = exc
+                continue
+            return port
+    raise ShardwiseError(f"cannot bind a rendezvous port on master address {addr} ({error}): give an address "
+                         "of this host")
