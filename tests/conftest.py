@@ -107,7 +107,7 @@ def probe_run(tmp_path_factory, worker_id) -> tuple[subprocess.CompletedProcess,
     with FileLock(str(root / "shared-probe.lock")):
         if not record.exists():
             folder.mkdir(exist_ok=True)
-            done = run_cli("probe", "--ranks", "2", "--max-bytes", "4194304", "--iters", "5", "--algorithms",
+            done = run_cli("probe", "--ranks", "2", "--max-bytes", "16777216", "--iters", "9", "--algorithms",
                            "ring,rd,oneshot", "--triad-mb", "8", "--matmul-size", "64", "--host-batches", "5", "--out", str(out),
                            "--json-out", str(doc), env={"OMP_NUM_THREADS": "1"})
             record.write_text(json.dumps({"args": [str(a) for a in done.args], "returncode": done.returncode,

@@ -60,7 +60,7 @@ def test_probe_writes_a_cluster_file_that_plan_reads(probe_run, tmp_path):
     assert "all-reduce ring" in done.stdout and "busbw" in done.stdout
     doc = json.loads(doc_path.read_text())
     rows = doc["collectives"]["ring"]
-    assert [r["bytes"] for r in rows] == message_sizes(8, 1 << 22)
+    assert [r["bytes"] for r in rows] == message_sizes(8, 1 << 24)
     for r in rows:
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(p-1)/p = 1 at p = 2
