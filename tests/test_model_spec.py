@@ -85,6 +85,33 @@ def test_quantization_config_sets_group_formats():
     assert load_model("llama-3.1-8b").group_formats()["dense_mlp"] == "bf16"
 
 
+def _llama_config() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("shardwise.spec.catalog.models").joinpath("llama-3.1-8b.json").read_text())
+
+
+@pytest.mark.parametrize("qc,expected", [
+    ({"quant_algo": "FP8", "ignore": ["lm_head"]}, {"attention": "fp8", "dense_mlp": "fp8"}),
+    ({"quant_algo": "NVFP4", "ignore": ["lm_head", "model.layers.*.self_attn*"]}, {"attention": "bf16", "dense_mlp": "nvfp4"}),
+    ({"quant_algo": "W4A16_NVFP4", "exclude_modules": ["*mlp*"]}, {"attention": "nvfp4", "dense_mlp": "bf16"}),
+])
+def test_modelopt_exports_set_group_formats(qc, expected):
+    """NVIDIA ModelOpt checkpoints (quant_method modelopt): quant_algo for every matmul group the
+    ignore / exclude_modules globs do not hit; the LM head and embedding stay in the dtype."""
+    m = parse_config(_llama_config() | {"quantization_config": {"quant_method": "modelopt", **qc}})
+    formats = m.group_formats()
+    assert {g: formats[g] for g in expected} == expected and formats["lm_head"] == "bf16"
+    assert m.quant_method == "modelopt"
+
+
+def test_a_modelopt_algorithm_shardwise_cannot_price_is_one_line():
+    cfg = _llama_config() | {"quantization_config": {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}}
+    with pytest.raises(ShardwiseError, match="quant_algo 'MIXED_PRECISION' \\(modelopt\\) is not supported") as err:
+        parse_config(cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_every_catalog_model_parses():
     assert len(catalog_models()) >= 13
     for key in catalog_models():

@@ -261,7 +261,7 @@ def test_bad_input_fails_before_generation(ckpts, tmp_path, case):
     elif case == "unknown_method":
         folder = _corrupt(ckpts["qwen3_moe"], tmp_path / case, config={"quantization_config": {"quant_method": "awq"}})
         expected = ("quantization_config quant_method 'awq' is not supported: "
-                    "shardwise reads mxfp4, fp8, compressed-tensors")
+                    "shardwise reads mxfp4, fp8, compressed-tensors, modelopt")
     else:
         folder = _corrupt(ckpts["qwen3_moe"], tmp_path / case, config={"quantization_config": {"quant_method": "fp8"}})
         expected = ("quantization_config.quant_method 'fp8' has no MXFP4 layout here, expected 'mxfp4' (gpt-oss) or "

@@ -6,6 +6,7 @@ through their ``text_config``. The family builders are in ``shardwise.spec.famil
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from collections.abc import Mapping
@@ -149,6 +150,34 @@ def _int_format(qc: Mapping[str, Any]) -> str:
     return name
 
 
+# A representative module name per quantizable group: a group is quantized unless an ignore rule hits it.
+_GROUP_PROBES = {
+    ATTENTION: "model.layers.1.self_attn.o_proj",
+    LINEAR_ATTENTION: "model.layers.1.self_attn.o_proj",
+    DENSE_MLP: "model.layers.0.mlp.down_proj",
+    SHARED_EXPERTS: "model.layers.1.mlp.shared_experts.down_proj",
+    ROUTED_EXPERTS: "model.layers.1.mlp.experts.0.w2",
+}
+# NVIDIA ModelOpt's quant_algo -> the formats-catalog name of its weights (W4A16_NVFP4: NVFP4 weights,
+# activations unquantized; the bytes are NVFP4's either way)
+_MODELOPT_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4"}
+
+
+def _modelopt_formats(qc: Mapping[str, Any]) -> dict[str, str]:
+    """Formats of an NVIDIA ModelOpt export (``quant_method`` modelopt, as vLLM's ModelOpt configs read
+    it): ``quant_algo`` for every matmul group its ``ignore`` (config.json) / ``exclude_modules``
+    (hf_quant_config.json) glob patterns do not hit; other algorithms are a one-line error."""
+    algo = qc.get("quant_algo")
+    if algo not in _MODELOPT_ALGOS:
+        raise ShardwiseError(f"quantization_config quant_algo {shown(algo)} (modelopt) is not supported: shardwise "
+                             f"reads {', '.join(_MODELOPT_ALGOS)}")
+    patterns = qc.get("ignore", qc.get("exclude_modules")) or []
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise ShardwiseError("config.json field 'quantization_config.ignore' must be a list of module name patterns")
+    return {g: _MODELOPT_ALGOS[algo] for g, probe in _GROUP_PROBES.items()
+            if not any(fnmatch.fnmatchcase(probe, p) for p in patterns)}
+
+
 def _quant_formats(qc: Mapping[str, Any] | None) -> tuple[str | None, dict[str, str]]:
     """Format per tensor group from a ``quantization_config`` (empty when unquantized)."""
     if not qc:
@@ -175,17 +204,12 @@ def _quant_formats(qc: Mapping[str, Any] | None) -> tuple[str | None, dict[str, 
         else:
             raise ShardwiseError(f"quantization_config format '{fmt}' is not supported: use mxfp4, nvfp4 or fp8")
         ignore = [p[3:] for p in qc.get("ignore", []) if isinstance(p, str) and p.startswith("re:")]
-        # A representative module name per group; a group is quantized unless an ignore rule hits it.
-        probes = {
-            ATTENTION: "model.layers.1.self_attn.o_proj",
-            LINEAR_ATTENTION: "model.layers.1.self_attn.o_proj",
-            DENSE_MLP: "model.layers.0.mlp.down_proj",
-            SHARED_EXPERTS: "model.layers.1.mlp.shared_experts.down_proj",
-            ROUTED_EXPERTS: "model.layers.1.mlp.experts.0.w2",
-        }
-        formats = {g: name for g, probe in probes.items() if not any(re.match(p, probe) for p in ignore)}
+        formats = {g: name for g, probe in _GROUP_PROBES.items() if not any(re.match(p, probe) for p in ignore)}
         return method, formats
+    if method == "modelopt":
+        return method, _modelopt_formats(qc)
     raise ShardwiseError(
-        f"quantization_config quant_method '{method}' is not supported: shardwise reads mxfp4, fp8, compressed-tensors"
+        f"quantization_config quant_method '{method}' is not supported: shardwise reads mxfp4, fp8, compressed-tensors, "
+        "modelopt"
     )
 
