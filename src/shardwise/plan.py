@@ -95,8 +95,8 @@ def _tp_problem(model: ModelSpec, tp: int, splits: list[TensorSpec]) -> str | No
     la = model.linear_attention
     if la is not None and la.num_value_heads % tp:
         return f"{la.num_value_heads} {la.value_heads_name}"
-    if la is not None and la.num_key_heads % tp and (tp % la.num_key_heads or not la.key_heads_replicate
-                                                     and la.num_key_heads > 1):
+    replicable = la is not None and (la.key_heads_replicate or la.num_key_heads == 1)  # fewer key heads than ranks
+    if la is not None and la.num_key_heads % tp and (tp % la.num_key_heads or not replicable):
         return f"{la.num_key_heads} {la.key_heads_name}"
     for t in splits:
         for length, unit in t.tp_parts or ((t.shape[t.tp_dim], t.tp_unit),):

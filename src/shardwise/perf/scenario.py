@@ -137,10 +137,9 @@ def build_scenario(
         unit_price = box_obj.builder_price_usd
         price_note = f"what the seed's builder paid; list price ${box_obj.list_price_usd:,.0f} (--price to change)"
     else:
-        estimated = getattr(box_obj, "is_estimate", lambda _: False)("list_price_usd")
         unit_price = box_obj.list_price_usd
-        price_note = ("list price, an estimate (see the catalog's source; --price to change)" if estimated
-                      else "list price (--price to change)")
+        price_note = ("list price, an estimate (see the catalog's source; --price to change)"
+                      if box_obj.is_estimate("list_price_usd") else "list price (--price to change)")
     return Scenario(
         model=spec, box=box_obj, boxes=n, link=link_obj, plan=plan, formats=formats,
         profile=get_profile(runtime), context_tokens=context, prompt_tokens=prompt_tokens,

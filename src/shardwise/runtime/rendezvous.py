@@ -148,7 +148,8 @@ EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's net.ipv4.ip_local_port_range when 
 def _ephemeral_range() -> tuple[int, int]:
     """The ports this host hands out to ``bind(0)`` and outgoing connections (inclusive)."""
     try:
-        lo, hi = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
         return lo, hi
     except (OSError, ValueError):
         return EPHEMERAL_DEFAULT

@@ -171,9 +171,10 @@ def _modelopt_formats(qc: Mapping[str, Any]) -> dict[str, str]:
     if algo not in _MODELOPT_ALGOS:
         raise ShardwiseError(f"quantization_config quant_algo {shown(algo)} (modelopt) is not supported: shardwise "
                              f"reads {', '.join(_MODELOPT_ALGOS)}")
-    patterns = qc.get("ignore", qc.get("exclude_modules")) or []
+    key = "ignore" if "ignore" in qc else "exclude_modules"
+    patterns = qc.get(key) or []
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
-        raise ShardwiseError("config.json field 'quantization_config.ignore' must be a list of module name patterns")
+        raise ShardwiseError(f"config.json field 'quantization_config.{key}' must be a list of module name patterns")
     return {g: _MODELOPT_ALGOS[algo] for g, probe in _GROUP_PROBES.items()
             if not any(fnmatch.fnmatchcase(probe, p) for p in patterns)}
 
