@@ -1,10 +1,13 @@
-"""The runtime's ``layers.linear``: a one-row product runs as ``gemv.mv`` — in float32 ``torch.mv``,
-exactly F.linear's bits (plain decode, speculative verify and the reference all agree on them); in
-bfloat16 the compiled kernel where this CPU has one, F.linear's bits but for an element now and then one
-bfloat16 step away (both sum in float32 and round once, in different orders) — for the shapes a
-decoder has (odd sizes included); several rows, a bias, or ``row_blocked()`` keep F.linear itself."""
+"""The runtime's ``layers.linear``: a one-row product runs as ``gemv.mv`` — the candidate this machine
+measured faster (``gemv.chosen_kernel``): ``torch.mv``, exactly F.linear's bits, or the compiled kernel,
+within float32 rounding of them (float32) or F.linear's bits but for an element now and then one
+bfloat16 step away (bfloat16; both sum in float32 and round once, in different orders) — for the
+shapes a decoder has (odd sizes included); several rows, a bias, or ``row_blocked()`` keep F.linear
+itself. The choice: measured once per machine, dtype and thread count, stored, read back, overridable."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -27,14 +30,14 @@ def test_one_row_equals_f_linear_bit_for_bit(dtype, out_features, in_features):
         x = torch.randn(shape, generator=gen).to(dtype)
         got, want = linear(x, weight), F.linear(x, weight)
         assert got.shape == want.shape and got.dtype == want.dtype
-        if dtype == torch.float32:
+        kernel = gemv.chosen_kernel(dtype)
+        if kernel is None:
             assert torch.equal(got, want), f"{dtype} {tuple(weight.shape)} x{shape}: {(got - want).abs().max()}"
             continue
-        kernel = gemv.bf16_kernel()
-        if kernel is not None:  # the product really is the kernel's
-            assert torch.equal(got.reshape(-1), kernel(weight, x.reshape(-1)))
-        step = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)  # one bfloat16 step
-        step += 2.0**-20 * (x.float().abs() @ weight.float().abs().T)  # plus what float32 sums may differ by
+        assert torch.equal(got.reshape(-1), kernel(weight, x.reshape(-1)))  # the product really is the kernel's
+        step = 2.0**-20 * (x.float().abs() @ weight.float().abs().T)  # what float32 sums may differ by
+        if dtype == torch.bfloat16:
+            step += 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)  # one bfloat16 step
         off = (got.float() - want.float()).abs()
         assert bool((off <= step).all()), f"{tuple(weight.shape)} x{shape}: {int((off > step).sum())} elements off"
 
@@ -71,3 +74,40 @@ def test_other_cases_are_f_linear():
     with row_blocked(), Spy():  # inside the exact mode one row goes through F.linear (made row-invariant there)
         linear(one, weight)
     assert F.linear in calls and torch.mv not in calls
+
+
+@pytest.fixture
+def fresh_choice(tmp_path, monkeypatch):
+    """The choice stored under ``tmp_path`` instead of beside the machine's build, none made yet in
+    this process."""
+    monkeypatch.setattr(gemv.cpp_ops, "build_dir", lambda source: tmp_path)
+    monkeypatch.setattr(gemv, "_chosen", {})
+    monkeypatch.delenv("SHARDWISE_GEMV", raising=False)
+    return tmp_path
+
+
+def test_choice_is_measured_once_stored_and_read_back(fresh_choice):
+    if gemv.f32_kernel() is None:
+        pytest.skip("no compiled float32 kernel here (no AVX-512 or no compiler): torch.mv is the only candidate")
+    threads = torch.get_num_threads()
+    chosen = gemv.chosen_kernel(torch.float32)
+    stored = json.loads((fresh_choice / f"gemv-choice-float32-{threads}t.json").read_text())
+    assert stored["torch_mv"] > 0.5 and stored["kernel"] > 0.5  # GB/s over 512 MB: real measurements
+    assert stored["choice"] == ("kernel" if stored["kernel"] >= gemv.KERNEL_MARGIN * stored["torch_mv"] else "torch_mv")
+    assert (chosen is not None) == (stored["choice"] == "kernel")
+    for choice in ("torch_mv", "kernel"):  # a stored choice is what a new process follows, not measured again
+        (fresh_choice / f"gemv-choice-float32-{threads}t.json").write_text(json.dumps({**stored, "choice": choice}))
+        gemv._chosen.clear()
+        assert (gemv.chosen_kernel(torch.float32) is not None) == (choice == "kernel")
+    weight, x = torch.randn(70, 50), torch.randn(50)
+    assert torch.equal(gemv.mv(weight, x), gemv.f32_kernel()(x.view(1, -1), weight).view(-1))
+    assert float((gemv.mv(weight, x) - torch.mv(weight, x)).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("forced", ["torch", "kernel"])
+def test_environment_overrides_the_choice(fresh_choice, monkeypatch, forced):
+    if gemv.f32_kernel() is None:
+        pytest.skip("no compiled float32 kernel here: torch.mv is the only candidate")
+    monkeypatch.setenv("SHARDWISE_GEMV", forced)
+    assert (gemv.chosen_kernel(torch.float32) is not None) == (forced == "kernel")
+    assert not list(fresh_choice.iterdir())  # nothing measured

@@ -1,26 +1,49 @@
 """One-row products on CPU (batch-1 decode): ``y = W x`` for a float weight ``W`` [out, in].
 
-float32 (and float16) weights run ``torch.mv`` (MKL's GEMV streams them at the machine's read
-bandwidth, and gives F.linear's own bits). bfloat16 weights run the runtime's compiled kernel
-(``csrc/decode_gemv.cpp``, built on first use by ``runtime.cpp_ops``) where the CPU has AVX512-BF16:
-torch's bfloat16 GEMV streamed a decode step's small matrices at 8-13 GB/s here (a MoE expert's
-256 × 1024, its 1024 × 256 down projection) against 19-22 GB/s for the kernel, large ones at 16-24
-against 22-29 GB/s (two threads, side by side in one process). Both sum in float32 and round once,
-in a different order: the kernel's outputs equal F.linear's bits for nearly every element and are
-one bfloat16 step away for the rest (``tests/test_runtime_linear.py``). Elsewhere (no AVX512-BF16,
-no compiler, a non-contiguous weight) bfloat16 keeps ``torch.mv``. The same library runs a MoE
-block's routed experts for one row in one call (``experts_kernel``).
+Two candidates per dtype, and the faster one on this machine is used, chosen by measuring
+(``chosen_kernel``): ``torch.mv`` (F.linear's own bits) and the runtime's compiled kernel — float32:
+``shardwise_rows.linear_f32`` (``csrc/row_linear.cpp``, the fixed-order AVX-512 product that
+``runtime.exact`` also uses), bfloat16: ``shardwise_gemv.bf16_mv`` (``csrc/decode_gemv.cpp``,
+vdpbf16ps, where the CPU has AVX512-BF16). Which wins depends on the CPU and its BLAS. Measured
+with two threads, weights cycled so they stream from memory: on an Emerald Rapids Xeon VM MKL's
+float32 GEMV streamed 25-30 GB/s (the kernel 24-27: torch.mv kept), on an AMD EPYC (Zen 4) VM
+15-17 GB/s against the kernel's 23-27 and ``torch.sum``'s 30 (the kernel chosen: float32 decode
+~1.5x faster there); torch's bfloat16 GEMV streamed 8-13 GB/s on both against the kernel's 19-25.
+Both sum in float32 and round once, in different orders: the kernels' outputs are within float32
+rounding of F.linear's (bfloat16: one bfloat16 step away for an element now and then;
+``tests/test_runtime_linear.py``). A non-contiguous weight, a float16 one, or no compiler keep
+``torch.mv``. The same library runs a MoE block's routed experts for one row in one call
+(``experts_kernel``), through the chosen float32 product.
+
+The choice is measured once per machine, dtype and thread count, the first time a process needs it
+(~0.5 s: both candidates over 512 MB of weights — more than any L3 — best of three alternating
+rounds) and kept in a JSON file beside the kernel's build (``cpp_ops.build_dir``), under a lock so
+ranks starting together measure once. ``SHARDWISE_GEMV=torch`` or ``=kernel`` overrides it.
 """
 
 from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable
 
 import torch
 
 from shardwise.runtime import cpp_ops
 
-__all__ = ["applies", "bf16_kernel", "experts_kernel", "mv"]
+__all__ = ["applies", "bf16_kernel", "chosen_kernel", "experts_kernel", "f32_kernel", "mv"]
 
 SOURCE = "decode_gemv.cpp"
+F32_SOURCE = "row_linear.cpp"
+MEASURE_BYTES = 512 * 1024 * 1024
+"""Weight bytes each candidate streams per measuring round (more than any CPU's last-level cache)."""
+MEASURE_SHAPES = ((5632, 2048), (2048, 5632), (2048, 2048))
+"""Weight shapes cycled while measuring: a decoder's tall, wide and square projections."""
+KERNEL_MARGIN = 1.05
+"""The compiled kernel is chosen only if it streams at least this many times torch.mv's GB/s."""
+_chosen: dict[tuple[torch.dtype, int], Callable | None] = {}
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -36,19 +59,91 @@ def bf16_kernel():
     return cpp_ops.optional_op(SOURCE, "shardwise_gemv", "bf16_mv")
 
 
+def f32_kernel():
+    """The compiled ``shardwise_rows.linear_f32(x [M, K], w [N, K])`` op, or None (no compiler, no AVX-512)."""
+    return cpp_ops.optional_op(F32_SOURCE, "shardwise_rows", "linear_f32")
+
+
+def _one_row_f32(op):
+    return lambda weight, x: op(x.view(1, -1), weight).view(-1)
+
+
+def _candidate(dtype: torch.dtype) -> tuple[str, Callable] | None:
+    """(source, ``fn(weight, x)``) of the compiled one-row product for ``dtype``, or None."""
+    if dtype == torch.float32 and f32_kernel() is not None:
+        return F32_SOURCE, _one_row_f32(f32_kernel())
+    if dtype == torch.bfloat16 and bf16_kernel() is not None:
+        return SOURCE, bf16_kernel()
+    return None
+
+
+def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, rounds: int = 3) -> dict[str, float]:
+    """GB/s of weight bytes that ``torch.mv`` and ``kernel(weight, x)`` stream for one row of ``dtype``,
+    best of ``rounds`` alternating rounds over ``nbytes`` of weights shaped as ``MEASURE_SHAPES``."""
+    weights, total = [], 0
+    while total < nbytes:
+        for shape in MEASURE_SHAPES:
+            weights.append(torch.empty(shape, dtype=dtype).fill_(0.5))  # written: pages really mapped
+            total += weights[-1].numel() * weights[-1].element_size()
+    xs = {k: torch.full((k,), 0.01, dtype=dtype) for k in {s[1] for s in MEASURE_SHAPES}}
+    best = {"torch_mv": 0.0, "kernel": 0.0}
+    for _ in range(rounds):
+        for name, fn in (("torch_mv", torch.mv), ("kernel", kernel)):
+            start = time.perf_counter()
+            for w in weights:
+                fn(w, xs[w.shape[1]])
+            best[name] = max(best[name], total / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def chosen_kernel(dtype: torch.dtype) -> Callable | None:
+    """The compiled one-row product ``fn(weight, x)`` for ``dtype`` if it is the faster candidate on this
+    machine at torch's current thread count, else None (``torch.mv``). Decided once per process, from
+    the machine's stored measurement or by measuring (module docstring)."""
+    key = (dtype, torch.get_num_threads())
+    if key not in _chosen:
+        candidate = _candidate(dtype)
+        forced = os.environ.get("SHARDWISE_GEMV", "").strip().lower()
+        if candidate is None or forced == "torch":
+            _chosen[key] = None
+        elif forced == "kernel":
+            _chosen[key] = candidate[1]
+        else:
+            _chosen[key] = candidate[1] if _stored_choice(candidate, dtype, key[1])["choice"] == "kernel" else None
+    return _chosen[key]
+
+
+def _stored_choice(candidate: tuple[str, Callable], dtype: torch.dtype, threads: int) -> dict:
+    """This machine's measurement for ``dtype`` at ``threads`` threads: read, or measured and stored."""
+    path = cpp_ops.build_dir(candidate[0]) / f"gemv-choice-{str(dtype).removeprefix('torch.')}-{threads}t.json"
+    with open(path.with_suffix(".flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+        rates = measure(dtype, candidate[1])
+        record = {**rates, "choice": "kernel" if rates["kernel"] >= KERNEL_MARGIN * rates["torch_mv"] else "torch_mv"}
+        path.write_text(json.dumps(record))
+        return record
+
+
 def experts_kernel(dtype: torch.dtype):
     """The compiled ``shardwise_gemv.experts_row(x, gate_up[], down[], weights, slots, out)`` op for
     experts of ``dtype`` (``moe.SparseMoE``'s one-row step), or None: no compiler, a dtype other than
     float32, or bfloat16 without ``bf16_kernel``."""
     if dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_kernel() is not None):
-        return cpp_ops.optional_op(SOURCE, "shardwise_gemv", "experts_row")
+        op = cpp_ops.optional_op(SOURCE, "shardwise_gemv", "experts_row")
+        if op is not None:
+            fixed_order = dtype == torch.float32 and chosen_kernel(dtype) is not None
+            return lambda x, gate_up, down, weights, slots, out: op(x, gate_up, down, weights, slots, out, fixed_order)
     return None
 
 
 def mv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] times the CPU vector ``x`` [in] of the same dtype → [out] in that dtype."""
-    if weight.dtype == torch.bfloat16 and weight.is_contiguous():
-        op = bf16_kernel()
+    if weight.is_contiguous() and weight.dtype in (torch.float32, torch.bfloat16):
+        op = chosen_kernel(weight.dtype)
         if op is not None:
             return op(weight, x.contiguous())
     return torch.mv(weight, x)

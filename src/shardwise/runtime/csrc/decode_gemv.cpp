@@ -13,10 +13,13 @@
 // experts_row: a MoE block's routed SwiGLU experts for one row in one call, out += sum over the picked
 // experts i (in the order given) of w[slot_i] * down_i(silu(gate_i x) * up_i x), with the roundings of the
 // torch ops it replaces (each product and sum rounded to the run dtype where those produce it): the
-// products run as torch.mv (float32: MKL, F.linear's bits) or bf16_mv (bfloat16), so only the elementwise
-// steps differ from the torch path, by float32 rounding. Replaces ~8 small ops and a module call per
+// products run as bf16_mv (bfloat16) or, in float32, as the one-row product runtime.gemv chose for this
+// machine: torch.mv (MKL, F.linear's bits) or, with `fixed_order`, shardwise_rows::linear_f32 (row_linear.cpp,
+// looked up in the dispatcher: runtime.gemv loads that library first), so only the elementwise steps differ
+// from the torch path, by float32 rounding. Replaces ~8 small ops and a module call per
 // expert, whose dispatch cost a decode step more than their bytes.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mv.h>
@@ -77,13 +80,18 @@ at::Tensor bf16_mv(const at::Tensor& w, const at::Tensor& x) {
 }
 #endif
 
-// w [N, K] times x [K] in their dtype: torch.mv for float32, bf16_mv for bfloat16.
-at::Tensor row_product(const at::Tensor& w, const at::Tensor& x) {
+// w [N, K] times x [K] in their dtype: bf16_mv for bfloat16; for float32 torch.mv, or linear_f32 if
+// `fixed_order`.
+at::Tensor row_product(const at::Tensor& w, const at::Tensor& x, bool fixed_order) {
 #ifdef SHARDWISE_BF16_MV
   if (w.scalar_type() == at::kBFloat16) return bf16_mv(w, x);
 #endif
   TORCH_CHECK(w.scalar_type() == at::kFloat, "experts_row runs float32, or bfloat16 on AVX512-BF16 CPUs");
-  return at::mv(w, x);
+  if (!fixed_order) return at::mv(w, x);
+  static const auto linear_f32 = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("shardwise_rows::linear_f32", "")
+                                     .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return linear_f32.call(x.view({1, x.numel()}), w).view({w.size(0)});
 }
 
 template <typename T>
@@ -93,11 +101,11 @@ inline float rounded(float v) {
 
 template <typename T>
 void add_experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, const float* w,
-                     at::IntArrayRef slots, at::Tensor& out) {
+                     at::IntArrayRef slots, at::Tensor& out, bool fixed_order) {
   T* o = out.data_ptr<T>();
   const int64_t H = out.numel();
   for (size_t i = 0; i < gate_up.size(); ++i) {
-    const at::Tensor h = row_product(gate_up[i], x);  // gate | up, in the run dtype
+    const at::Tensor h = row_product(gate_up[i], x, fixed_order);  // gate | up, in the run dtype
     const int64_t I = h.numel() / 2;
     const T* hp = h.data_ptr<T>();
     at::Tensor a = at::empty({I}, x.options());
@@ -106,7 +114,7 @@ void add_experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList
       const float g = static_cast<float>(hp[j]);
       ap[j] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * static_cast<float>(hp[I + j]));
     }
-    const at::Tensor y = row_product(down[i], a);
+    const at::Tensor y = row_product(down[i], a, fixed_order);
     const T* yp = y.data_ptr<T>();
     const float weight = w[slots[i]];
     for (int64_t c = 0; c < H; ++c)
@@ -115,7 +123,7 @@ void add_experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList
 }
 
 void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, const at::Tensor& weights,
-                 at::IntArrayRef slots, at::Tensor& out) {
+                 at::IntArrayRef slots, at::Tensor& out, bool fixed_order) {
   TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && out.dim() == 1 && out.is_contiguous() &&
                   out.scalar_type() == x.scalar_type(), "x and out must be contiguous vectors of one dtype");
   TORCH_CHECK(gate_up.size() == down.size() && down.size() == slots.size(), "one gate_up, down and slot per expert");
@@ -128,9 +136,9 @@ void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList dow
   const at::Tensor w = weights.to(at::kFloat).contiguous();
   for (const int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < w.numel(), "slot out of range");
   if (x.scalar_type() == at::kBFloat16)
-    add_experts_row<c10::BFloat16>(x, gate_up, down, w.data_ptr<float>(), slots, out);
+    add_experts_row<c10::BFloat16>(x, gate_up, down, w.data_ptr<float>(), slots, out, fixed_order);
   else
-    add_experts_row<float>(x, gate_up, down, w.data_ptr<float>(), slots, out);
+    add_experts_row<float>(x, gate_up, down, w.data_ptr<float>(), slots, out, fixed_order);
 }
 
 }  // namespace
@@ -139,6 +147,6 @@ TORCH_LIBRARY(shardwise_gemv, m) {
 #ifdef SHARDWISE_BF16_MV
   m.def("bf16_mv(Tensor w, Tensor x) -> Tensor", &bf16_mv);
 #endif
-  m.def("experts_row(Tensor x, Tensor[] gate_up, Tensor[] down, Tensor weights, int[] slots, Tensor(a!) out) -> ()",
+  m.def("experts_row(Tensor x, Tensor[] gate_up, Tensor[] down, Tensor weights, int[] slots, Tensor(a!) out, bool fixed_order) -> ()",
         &experts_row);
 }
