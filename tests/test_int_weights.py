@@ -328,3 +328,25 @@ print(op(torch.ones(1, 32), q, torch.ones(4, 1), 8, 32).tolist())
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[[32.0, 32.0, 32.0, 32.0]]"
+
+
+@pytest.mark.parametrize(("width", "group"), [(2048, 2048), (100, 100), (45, 45), (256, 32), (384, 128)])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_kernel_bfloat16_rows_times_8_bit_weights(width, group, scale_dtype):
+    """bfloat16 rows times int8 weights (per channel, any width a tensor-parallel slice leaves, or groups of
+    32 and more): the exact product to float32 rounding, row by row whatever the batch, and the float32
+    path's result to float32 rounding."""
+    from shardwise.runtime.int_matmul import kernel
+
+    gen = torch.Generator().manual_seed(width + group)
+    q = torch.randint(-128, 128, (37, width), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(37, width // group, generator=gen) * 0.1 + 0.01).to(scale_dtype)
+    weight = q.double() * scale.double().repeat_interleave(group, dim=1)
+    x = torch.randn(5, width, generator=gen).to(torch.bfloat16)
+    y = kernel()(x, q, scale, 8, group)
+    assert y.dtype == torch.float32
+    bound = 1e-6 * (x.double().abs() @ weight.abs().T)  # float32 sums of exact products
+    assert bool(((y.double() - x.double() @ weight.T).abs() <= bound).all())
+    assert bool(((y - kernel()(x.float(), q, scale, 8, group)).double().abs() <= 2 * bound).all())
+    for i in range(5):
+        assert torch.equal(kernel()(x[i : i + 1], q, scale, 8, group), y[i : i + 1]), (width, group, i)

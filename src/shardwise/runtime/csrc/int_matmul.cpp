@@ -6,8 +6,8 @@
 //   bits 8: q int8 [N, K] (the stored unsigned byte minus 128, converted once at load);
 //   bits 4: q uint8 [N, K/2], element 2j in the low nibble of byte j, 2j+1 in the high one,
 //           each stored unsigned with offset 8 (value = nibble - 8).
-// scale [N, K/group] float32 or bfloat16; x float32 or bfloat16 [M, K] (bfloat16 rows times 4-bit weights
-// take vdpbf16ps where the CPU has it, otherwise rows are widened to float32); group a multiple of 32
+// scale [N, K/group] float32 or bfloat16; x float32 or bfloat16 [M, K] (bfloat16 rows take vdpbf16ps where the
+// CPU has it, otherwise rows are widened to float32); group a multiple of 32
 // dividing K, or (8 bits, per channel) the whole row of any width, whose last K % 32 products are summed
 // one by one.
 //
@@ -211,6 +211,72 @@ float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, 
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
+
+// int8 weights against a bfloat16 row (a bfloat16 model's activations): each weight splits exactly into its
+// signed high nibble h (-8..7) and unsigned low nibble l (0..15), q = 16 h + l, both exact in bfloat16, so
+// vdpbf16ps multiplies 32 of each by x per instruction with exact products (no float conversion of the
+// weights: the float32 path's widening and conversion bound it). A nibble becomes bfloat16 through one table
+// lookup (vpermw reads the low 5 bits of a word; the tables repeat their 16 values). A group's sum is
+// 16 * (sum of h x) + (sum of l x), times its scale; per-channel rows whose width is not a multiple of 32
+// sum their last K % 32 products one by one. Measured (two threads, 300 MB of int8 weights of a decoder's
+// shapes cycled, an AMD EPYC VM): 23 GB/s against 12-15 for the float32 path with the row widened.
+const __m512i kLowBf16 = [] {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = float(i & 15);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    t[i] = uint16_t(bits >> 16);
+  }
+  return _mm512_load_si512(t);
+}();
+const __m512i kHighBf16 = [] {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = float(((i & 15) ^ 8) - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    t[i] = uint16_t(bits >> 16);
+  }
+  return _mm512_load_si512(t);
+}();
+
+inline void chunk32_8(const int8_t* q, const uint16_t* x, __m512& lo, __m512& hi) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const __m512bh xv = (__m512bh)_mm512_loadu_si512(x);
+  lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_permutexvar_epi16(w, kLowBf16), xv);
+  hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), kHighBf16), xv);
+}
+
+float dot8_bf16(const int8_t* q, const uint16_t* x, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  float rest = 0;
+  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
+    __m512 lo0 = _mm512_setzero_ps(), lo1 = lo0, hi0 = lo0, hi1 = lo0;
+    int64_t k = g0;
+    for (; k + 64 <= g0 + group; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
+      chunk32_8(q + k, x + k, lo0, hi0);
+      chunk32_8(q + k + 32, x + k + 32, lo1, hi1);
+    }
+    if (k + 32 <= g0 + group) {
+      chunk32_8(q + k, x + k, lo0, hi0);
+      k += 32;
+    }
+    float tail = 0;
+    for (; k < g0 + group; ++k) {
+      const uint32_t bits = uint32_t(x[k]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      tail += float(q[k]) * f;
+    }
+    const float scale = scale_at(s, bf16, gi);
+    rest += scale * tail;
+    const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(16.f), _mm512_add_ps(hi0, hi1), _mm512_add_ps(lo0, lo1));
+    add_group(_mm512_set1_ps(scale), t, (gi - s0) & 1, a0, a1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + rest;
+}
 #endif
 #elif defined(SHARDWISE_AVX2)
 inline __m256 to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
@@ -358,6 +424,14 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
     each_output(yp, M, N, [&](int64_t r, int64_t m) {
       return dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, bf16, r * G);
     });
+    return y;
+  }
+#endif
+#if defined(SHARDWISE_BF16_DOT)
+  if (bits == 8 && x_in.scalar_type() == at::kBFloat16) {  // any group (dot8_bf16 sums a group's tail alone)
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
+    const int8_t* qp = q.data_ptr<int8_t>();
+    each_output(yp, M, N, [&](int64_t r, int64_t m) { return dot8_bf16(qp + r * K, xs + m * K, K, group, sp, bf16, r * G); });
     return y;
   }
 #endif
