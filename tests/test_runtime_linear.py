@@ -111,3 +111,11 @@ def test_environment_overrides_the_choice(fresh_choice, monkeypatch, forced):
     monkeypatch.setenv("SHARDWISE_GEMV", forced)
     assert (gemv.chosen_kernel(torch.float32) is not None) == (forced == "kernel")
     assert not list(fresh_choice.iterdir())  # nothing measured
+
+
+def test_unknown_override_is_a_one_line_error(fresh_choice, monkeypatch):
+    from shardwise.errors import ShardwiseError
+
+    monkeypatch.setenv("SHARDWISE_GEMV", "fastest")
+    with pytest.raises(ShardwiseError, match="SHARDWISE_GEMV='fastest'.*'torch' or 'kernel'"):
+        gemv.chosen_kernel(torch.float32)

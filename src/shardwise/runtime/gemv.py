@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardwise.errors import ShardwiseError
 from shardwise.runtime import cpp_ops
 
 __all__ = ["applies", "bf16_kernel", "chosen_kernel", "experts_kernel", "f32_kernel", "mv"]
@@ -104,6 +105,8 @@ def chosen_kernel(dtype: torch.dtype) -> Callable | None:
     if key not in _chosen:
         candidate = _candidate(dtype)
         forced = os.environ.get("SHARDWISE_GEMV", "").strip().lower()
+        if forced not in ("", "torch", "kernel"):
+            raise ShardwiseError(f"SHARDWISE_GEMV={forced!r}: set it to 'torch' or 'kernel', or unset it to measure")
         if candidate is None or forced == "torch":
             _chosen[key] = None
         elif forced == "kernel":

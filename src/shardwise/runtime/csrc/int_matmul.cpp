@@ -144,6 +144,20 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define SHARDWISE_BF16_DOT 1
+// A vpermw table: word i holds value(i & 15) as bfloat16 (exact for these small integers); vpermw reads
+// the low 5 bits of each index, so the 16 values repeat.
+template <class Value>
+__m512i bf16_table(Value value) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = value(i & 15);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    t[i] = uint16_t(bits >> 16);
+  }
+  return _mm512_load_si512(t);
+}
+
 // bfloat16 rows (a bfloat16 model's activations, as they are): a nibble's value (-8..7) is exact in
 // bfloat16, so vdpbf16ps multiplies it by x exactly and adds the products into float32 lanes two at a time,
 // 32 weights per instruction with no float conversion of the weights (where the float32 path above spends
@@ -151,16 +165,7 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
 // nibble each; nibble r of every word becomes bfloat16 through one table lookup (vpermw reads the low 5
 // bits of a word: the table repeats its 16 values) after a shift by 4r. Float32 lane i of a chunk's sum
 // holds elements 8i..8i+7: lanes 0-3 are the chunk's first 32 weights, 4-7 the next 32, and so on.
-const __m512i kNibbleBf16 = [] {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float f = float((i & 15) - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    t[i] = uint16_t(bits >> 16);
-  }
-  return _mm512_load_si512(t);
-}();
+const __m512i kNibbleBf16 = bf16_table([](int n) { return float(n - 8); });
 
 inline __m512bh nibbles_bf16(__m512i words, int shift) {
   return (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, shift), kNibbleBf16);
@@ -216,30 +221,12 @@ float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, 
 // signed high nibble h (-8..7) and unsigned low nibble l (0..15), q = 16 h + l, both exact in bfloat16, so
 // vdpbf16ps multiplies 32 of each by x per instruction with exact products (no float conversion of the
 // weights: the float32 path's widening and conversion bound it). A nibble becomes bfloat16 through one table
-// lookup (vpermw reads the low 5 bits of a word; the tables repeat their 16 values). A group's sum is
+// lookup (bf16_table). A group's sum is
 // 16 * (sum of h x) + (sum of l x), times its scale; per-channel rows whose width is not a multiple of 32
 // sum their last K % 32 products one by one. Measured (two threads, 300 MB of int8 weights of a decoder's
 // shapes cycled, an AMD EPYC VM): 23 GB/s against 12-15 for the float32 path with the row widened.
-const __m512i kLowBf16 = [] {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float f = float(i & 15);
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    t[i] = uint16_t(bits >> 16);
-  }
-  return _mm512_load_si512(t);
-}();
-const __m512i kHighBf16 = [] {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float f = float(((i & 15) ^ 8) - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    t[i] = uint16_t(bits >> 16);
-  }
-  return _mm512_load_si512(t);
-}();
+const __m512i kLowBf16 = bf16_table([](int n) { return float(n); });            // unsigned low nibble
+const __m512i kHighBf16 = bf16_table([](int n) { return float((n ^ 8) - 8); });  // signed high nibble
 
 inline void chunk32_8(const int8_t* q, const uint16_t* x, __m512& lo, __m512& hi) {
   const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
