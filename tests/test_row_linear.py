@@ -1,6 +1,6 @@
 """The row-invariant products ``exact.row_blocked()`` runs on CPU (``csrc/row_linear.cpp``): float32 (fixed-order
-AVX-512 kernel) and bfloat16 (AMX tiles). Every row's result is the same bits whatever else shares the call
-(rows before it, after it, how many, how many threads), within float32 rounding (bfloat16: one bfloat16
+AVX-512 kernel) and bfloat16 (AMX tiles, or vdpbf16ps on AVX512-BF16 CPUs without AMX). Every row's result
+is the same bits whatever else shares the call (rows before it, after it, how many, how many threads), within float32 rounding (bfloat16: one bfloat16
 rounding) of the float64 product, for widths with and without a tail (16 lanes; 32-wide AMX steps), weight row
 counts with and without a 16-row tail, and row counts crossing the kernels' tiles, 64-row chunks and (bfloat16)
 K blocks; under ``row_blocked()`` float32 and bfloat16 products run them (bias added after), other dtypes keep
@@ -19,11 +19,11 @@ from shardwise.runtime.exact import row_blocked
 
 
 def _kernel(dtype=torch.float32):
-    flag = {torch.float32: "avx512f", torch.bfloat16: "amx_bf16"}[dtype]
-    if not cpu_has(flag):
-        pytest.skip(f"this CPU has no {flag}: row_blocked() pads {dtype} products to whole row blocks")
+    flags = {torch.float32: ("avx512f",), torch.bfloat16: ("amx_bf16", "avx512_bf16")}[dtype]
+    if not any(cpu_has(flag) for flag in flags):
+        pytest.skip(f"this CPU has none of {flags}: row_blocked() pads {dtype} products to whole row blocks")
     op = exact.fixed_order_linear(torch.zeros(1, 4, dtype=dtype), torch.zeros(4, 4, dtype=dtype))
-    assert op is not None, f"{flag} CPU but the {dtype} row-invariant kernel did not build (or load)"
+    assert op is not None, f"{flags} CPU but the {dtype} row-invariant kernel did not build (or load)"
     return op
 
 
@@ -72,7 +72,7 @@ def test_row_blocked_runs_it_for_float32():
     assert torch.equal(got16, padded.view(2, 3, 96))
     assert exact.fixed_order_linear(x.reshape(6, 48), weight.T) is None  # a transposed view: padded F.linear
     assert exact.fixed_order_linear(x.reshape(6, 48), weight.bfloat16()) is None  # mixed dtypes
-    with row_blocked(float32_kernel=False):  # serving's prefill forwards: float32 on the padded GEMM
+    with row_blocked(vector_kernels=False):  # serving's prefill forwards: float32 on the padded GEMM
         got_padded = F.linear(x, weight, bias)
     padded32 = F.linear(F.pad(x.reshape(6, 48), (0, 0, 0, exact.ROW_BLOCK - 6)), weight, bias)[:6]
     assert torch.equal(got_padded, padded32.view(2, 3, 96))
@@ -107,3 +107,20 @@ def test_row_blocked_runs_it_for_bfloat16():
     with row_blocked():
         alone = F.linear(x[1:2, 4:5], weight, bias)
     assert torch.equal(alone, got[1:2, 4:5])
+
+
+def test_bfloat16_vector_kernel_is_bf16_mv_for_one_row():
+    """Without AMX the bfloat16 kernel is the vdpbf16ps one: a single row gives exactly the bits of the one-row
+    ``bf16_mv`` plain decode uses (so ``generate(exact=True)`` and plain decode agree there), and serving's
+    prefill (``vector_kernels=False``) leaves it for the padded GEMM."""
+    from shardwise.runtime import cpp_ops, gemv
+
+    op, mv = cpp_ops.optional_op("row_linear.cpp", "shardwise_rows", "linear_bf16_dp"), gemv.bf16_kernel()
+    if op is None or mv is None:
+        pytest.skip("no AVX512-BF16 build here")
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(37, 2048), (130, 100), (5, 17), (8, 5635)]:
+        weight, x = (torch.randn(n, k, generator=gen) * 0.05).bfloat16(), torch.randn(k, generator=gen).bfloat16()
+        assert torch.equal(op(x.view(1, -1), weight).view(-1), mv(weight, x)), (n, k)
+    if exact.fixed_order_linear(x.view(1, -1), weight) is op:  # no AMX: the vector kernel is the choice
+        assert exact.fixed_order_linear(x.view(1, -1), weight, vector_kernels=False) is None

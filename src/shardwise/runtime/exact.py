@@ -23,8 +23,10 @@ active, every float32 or bfloat16 ``F.linear`` on CPU runs one of the runtime's 
 kernels (``csrc/row_linear.cpp``; float32: each output one 16-lane dot product in ascending k,
 whatever M, the other rows and the thread; bfloat16, on CPUs with AMX-BF16: each output one
 element of a full 16 x 16 AMX tile product accumulated over k in ascending 32-wide steps, rounded
-once to bfloat16), any other ``F.linear`` (float16, GPU, a non-contiguous weight, no AVX-512 / AMX
-or no compiler) pads its rows (all leading dimensions flattened) with zero rows
+once to bfloat16; on AVX512-BF16 CPUs without AMX (AMD Zen 4): each output one 16-lane vdpbf16ps
+chain over k in ascending 32-wide steps, rounded once — the bits of the one-row ``bf16_mv`` plain
+decode uses), any other ``F.linear`` (float16, GPU, a non-contiguous weight, no AVX-512 /
+AVX512-BF16 or no compiler) pads its rows (all leading dimensions flattened) with zero rows
 to a multiple of ``ROW_BLOCK`` = 16 and drops them afterwards, and SiLU / sigmoid / rsqrt
 run on their input flattened and zero-padded to a multiple of ``VECTOR_BLOCK`` = 64
 elements (every element on the vector path). ``speculative_generate`` runs under it, and
@@ -43,7 +45,8 @@ size), and reaches 60-80% of MKL's GFLOP/s on prefill-sized blocks (64-256 rows)
 the padded product (oneDNN) streams a 5632x2048 or 2048x5632 weight at 13-19 GB/s for 1-16
 rows, the AMX kernel at 20-30 GB/s (the one-row GEMV's speed), and at 64-256 rows the kernel
 reaches 620-1090 GFLOP/s against oneDNN's 400-650; measured side by side in one process, two
-threads. Plain ``generate`` runs one-row products (MKL's GEMV in float32) unless asked for
+threads. On an AMD EPYC (Zen 4) VM the vdpbf16ps kernel streams 23 GB/s for one row and 21 for
+four (padded oneDNN 12 and 10), 183 vs 153 GFLOP/s at 16 rows, 249-266 vs 308-392 at 64-256. Plain ``generate`` runs one-row products (MKL's GEMV in float32) unless asked for
 ``exact``; its greedy tokens can then differ from a speculative run's only where two logits tie
 to the last bits.
 """
@@ -68,35 +71,44 @@ multiple of this (a whole number of the vectorised loop's chunks: no scalar tail
 _ELEMENTWISE = frozenset({F.silu, torch.sigmoid, torch.Tensor.sigmoid, torch.rsqrt, torch.Tensor.rsqrt})
 
 
-_KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
+_KERNELS = {torch.float32: ("linear_f32",), torch.bfloat16: ("linear_bf16", "linear_bf16_dp")}
+"""The row-invariant ops per dtype, in order of preference."""
+
+VECTOR_KERNELS = frozenset({"linear_f32", "linear_bf16_dp"})
+"""Kernels built on vector instructions (FMA, vdpbf16ps): as fast as a GEMV for 1-16 rows, slower than
+the padded BLAS GEMM from ~64 rows (float32 120-150 vs MKL's 190-200 GFLOP/s on the Xeon; bfloat16
+vdpbf16ps 249-266 vs oneDNN's 308-392 at 64-256 rows on the AMD EPYC VM), unlike AMX tiles."""
 
 
-def fixed_order_linear(rows: torch.Tensor, weight: torch.Tensor):
+def fixed_order_linear(rows: torch.Tensor, weight: torch.Tensor, vector_kernels: bool = True):
     """The compiled ``shardwise_rows`` op for this product where one computes it (rows [M, K] and a
-    contiguous weight [N, K] of one dtype on CPU: ``linear_f32`` for float32 on an AVX-512 build,
-    ``linear_bf16`` for bfloat16 on an AMX-BF16 build that Linux lets use the tile registers), else None."""
-    name = _KERNELS.get(rows.dtype)
-    if rows.device.type != "cpu" or name is None or weight.dtype != rows.dtype:
+    contiguous weight [N, K] of one dtype on CPU: ``linear_f32`` for float32 on an AVX-512 build;
+    for bfloat16 ``linear_bf16`` on an AMX-BF16 build that Linux lets use the tile registers, else
+    ``linear_bf16_dp`` on an AVX512-BF16 one), else None; ``vector_kernels=False`` leaves out
+    ``VECTOR_KERNELS``."""
+    names = _KERNELS.get(rows.dtype, ())
+    if rows.device.type != "cpu" or weight.dtype != rows.dtype or weight.dim() != 2 or not weight.is_contiguous():
         return None
-    if weight.dim() != 2 or not weight.is_contiguous():
-        return None
-    return cpp_ops.optional_op("row_linear.cpp", "shardwise_rows", name)
+    for name in names:
+        op = cpp_ops.optional_op("row_linear.cpp", "shardwise_rows", name)
+        if op is not None:
+            return op if vector_kernels or name not in VECTOR_KERNELS else None
+    return None
 
 
 class row_blocked(TorchFunctionMode):  # lower case: used like a function, ``with row_blocked():``
     """Scope in which every ``F.linear`` computes each row independently of the others: the
     fixed-order kernel where it applies, else whole blocks of ``ROW_BLOCK`` rows.
 
-    ``float32_kernel=False`` keeps float32 products on the padded GEMM: MKL's, which from ~16 rows
-    on outruns the fixed-order kernel (190-200 vs 120-150 GFLOP/s at 64-256 rows here). Both are
-    row-invariant, but not equal to each other: use it only for forwards whose rows are never
-    compared with the other kind's (serving's prefill forwards; decode steps and verify passes
-    must share one kind).
+    ``vector_kernels=False`` keeps the products whose kernel is one of ``VECTOR_KERNELS`` on the
+    padded GEMM, which outruns them from ~64 rows. Both are row-invariant, but not equal to each
+    other: use it only for forwards whose rows are never compared with the other kind's (serving's
+    prefill forwards; decode steps and verify passes must share one kind).
     """
 
-    def __init__(self, float32_kernel: bool = True):
+    def __init__(self, vector_kernels: bool = True):
         super().__init__()
-        self.float32_kernel = float32_kernel
+        self.vector_kernels = vector_kernels
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -112,7 +124,7 @@ class row_blocked(TorchFunctionMode):  # lower case: used like a function, ``wit
         x, weight, *rest = args
         bias = rest[0] if rest else kwargs.get("bias")
         rows = x.reshape(-1, x.shape[-1])
-        op = fixed_order_linear(rows, weight) if self.float32_kernel or rows.dtype != torch.float32 else None
+        op = fixed_order_linear(rows, weight, self.vector_kernels)
         if op is not None:
             out = op(rows.contiguous(), weight)
             out = out if bias is None else out + bias

@@ -12,8 +12,8 @@ them).
 
 Every forward runs under ``exact.row_blocked()``: a row's result does not depend on the other
 rows of the batch, which is what makes a request's greedy output independent of the load.
-Prefill forwards take the padded GEMM for float32 products (``float32_kernel=False``: faster at
-their row counts, and a prompt's rows only ever meet other prompts' rows), decode steps and
+Prefill forwards take the padded GEMM where the row-invariant kernel is a vector one
+(``vector_kernels=False``: float32, and bfloat16 without AMX; the GEMM is faster at their row counts, and a prompt's rows only ever meet other prompts' rows), decode steps and
 verify passes the fixed-order kernel (a verify pass must equal single steps).
 """
 
@@ -80,7 +80,7 @@ class StepRunner:
                 ids = torch.tensor(decode["tokens"]).unsqueeze(1)
                 rows.append(model(ids, decode["positions"], slots=decode["slots"])[:, -1])
         if prefill is not None:  # chunks of one length, one row per sequence
-            with row_blocked(float32_kernel=False):
+            with row_blocked(vector_kernels=False):
                 hidden = model(torch.tensor(prefill["ids"]), prefill["starts"], slots=prefill["slots"])
             rows += [hidden[i:i + 1, -1] for i, last in enumerate(prefill["last"]) if last]
         with row_blocked():

@@ -30,11 +30,17 @@
 // 20-30 GB/s (the one-row bf16_mv of decode_gemv.cpp: 21-22; padded oneDNN: 13-19), 64 and 256 rows reach
 // 620-1090 and 710-730 GFLOP/s (padded oneDNN: 400-630 and 540-650). Built only where the compiler targets
 // AMX-TILE, AMX-BF16, AVX512-BF16 and AVX512-BW, and registered only if Linux grants this process the tile
-// data (arch_prctl); elsewhere runtime.exact keeps the padded product for bfloat16.
+// data (arch_prctl).
+//
+// linear_bf16_dp: the same contract without AMX, on AVX512-BF16 (AMD Zen 4): the float32 kernel's tiles with
+// vdpbf16ps (each output one 16-lane chain over k in ascending 32-wide steps, a masked last step, one
+// fixed-order lane reduction, rounded once to bfloat16: for one row the bits of decode_gemv.cpp's bf16_mv).
+// Elsewhere runtime.exact keeps the padded product for bfloat16.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -51,59 +57,90 @@ namespace {
 constexpr int64_t kWeightRows = 4;   // weight rows per tile
 constexpr int64_t kOneRowWeightRows = 8;  // weight rows per tile when M = 1 (decode): eight streams in flight
 constexpr int64_t kChunkRows = 64;   // x rows passing over one weight block before the next block
-constexpr int64_t kAhead = 2048;     // floats (8 KB) of a weight row prefetched ahead of its reads
+constexpr int64_t kAheadBytes = 8192;  // bytes of a weight row prefetched ahead of its reads
+
+// The element types a tile works in: float32 (16 lanes per step, fused multiply-add), and bfloat16 on
+// AVX512-BF16 (32 elements per step, vdpbf16ps: pairs of exact products added into 16 float32 lanes; the
+// float32 sum rounded once to bfloat16, to nearest even).
+struct F32 {
+  using T = float;
+  using V = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kStep = 16;
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static V load(Mask m, const T* p) { return _mm512_maskz_loadu_ps(m, p); }
+  static __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(x, w, acc); }
+  static T out(float v) { return v; }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SHARDWISE_DP_BF16 1
+struct BF16 {
+  using T = c10::BFloat16;
+  using V = __m512i;
+  using Mask = __mmask32;
+  static constexpr int64_t kStep = 32;
+  static V load(const T* p) { return _mm512_loadu_si512(p); }
+  static V load(Mask m, const T* p) { return _mm512_maskz_loadu_epi16(m, p); }
+  static __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  static T out(float v) { return T(v); }
+};
+#endif
 
 // Outputs y[m0 .. m0 + MT) x [n0 .. n0 + WR) (rows past `valid` weight rows are computed from row n0 and
 // dropped).
-template <int MT, int64_t WR = kWeightRows>
-void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t valid) {
-  const int64_t full = K / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (K - full)) - 1);
-  const float* wr[WR];
-  const float* xr[MT];
+template <class E, int MT, int64_t WR = kWeightRows>
+void tile(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N, int64_t m0,
+          int64_t n0, int64_t valid) {
+  using T = typename E::T;
+  const int64_t full = K / E::kStep * E::kStep;
+  const auto tail = static_cast<typename E::Mask>((1ull << (K - full)) - 1);
+  const T* wr[WR];
+  const T* xr[MT];
   for (int64_t j = 0; j < WR; ++j) wr[j] = w + (n0 + (j < valid ? j : 0)) * K;
   for (int i = 0; i < MT; ++i) xr[i] = x + (m0 + i) * K;
   __m512 acc[MT][WR];
   for (int i = 0; i < MT; ++i)
     for (int64_t j = 0; j < WR; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < full; k += 16) {
-    __m512 wv[WR];
+  for (int64_t k = 0; k < full; k += E::kStep) {
+    typename E::V wv[WR];
     for (int64_t j = 0; j < WR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + kAhead), _MM_HINT_T0);
-      wv[j] = _mm512_loadu_ps(wr[j] + k);
+      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kAheadBytes, _MM_HINT_T0);
+      wv[j] = E::load(wr[j] + k);
     }
     for (int i = 0; i < MT; ++i) {
-      const __m512 xv = _mm512_loadu_ps(xr[i] + k);
-      for (int64_t j = 0; j < WR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      const typename E::V xv = E::load(xr[i] + k);
+      for (int64_t j = 0; j < WR; ++j) acc[i][j] = E::madd(acc[i][j], wv[j], xv);
     }
   }
   if (tail) {
-    __m512 wv[WR];
-    for (int64_t j = 0; j < WR; ++j) wv[j] = _mm512_maskz_loadu_ps(tail, wr[j] + full);
+    typename E::V wv[WR];
+    for (int64_t j = 0; j < WR; ++j) wv[j] = E::load(tail, wr[j] + full);
     for (int i = 0; i < MT; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(tail, xr[i] + full);
-      for (int64_t j = 0; j < WR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      const typename E::V xv = E::load(tail, xr[i] + full);
+      for (int64_t j = 0; j < WR; ++j) acc[i][j] = E::madd(acc[i][j], wv[j], xv);
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int64_t j = 0; j < valid; ++j) y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int64_t j = 0; j < valid; ++j) y[(m0 + i) * N + n0 + j] = E::out(_mm512_reduce_add_ps(acc[i][j]));
 }
 
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
-              "w must be contiguous float32 [N, K] with x's K");
+// y [M, N] = x [M, K] w [N, K]^T in E's type: tiles over 4-row weight blocks split across threads, 64-row x
+// chunks passing over each block; one x row: 1 x 8 tiles.
+template <class E>
+at::Tensor rows_times(const at::Tensor& x, const at::Tensor& w) {
+  using T = typename E::T;
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
   if (M == 1) {
     const int64_t blocks = (N + kOneRowWeightRows - 1) / kOneRowWeightRows;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * kOneRowWeightRows;
-        tile<1, kOneRowWeightRows>(xp, wp, yp, K, N, 0, n0, std::min(kOneRowWeightRows, N - n0));
+        tile<E, 1, kOneRowWeightRows>(xp, wp, yp, K, N, 0, n0, std::min(kOneRowWeightRows, N - n0));
       }
     });
     return y;
@@ -115,11 +152,11 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * kWeightRows, valid = std::min(kWeightRows, N - n0);
         int64_t m = c0;
-        for (; m + 4 <= c1; m += 4) tile<4>(xp, wp, yp, K, N, m, n0, valid);
+        for (; m + 4 <= c1; m += 4) tile<E, 4>(xp, wp, yp, K, N, m, n0, valid);
         switch (c1 - m) {
-          case 3: tile<3>(xp, wp, yp, K, N, m, n0, valid); break;
-          case 2: tile<2>(xp, wp, yp, K, N, m, n0, valid); break;
-          case 1: tile<1>(xp, wp, yp, K, N, m, n0, valid); break;
+          case 3: tile<E, 3>(xp, wp, yp, K, N, m, n0, valid); break;
+          case 2: tile<E, 2>(xp, wp, yp, K, N, m, n0, valid); break;
+          case 1: tile<E, 1>(xp, wp, yp, K, N, m, n0, valid); break;
           default: break;
         }
       }
@@ -127,6 +164,24 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
   });
   return y;
 }
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.is_contiguous(), "x must be contiguous ", name, " [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype && w.is_contiguous() && w.size(1) == x.size(1),
+              "w must be contiguous ", name, " [N, K] with x's K");
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
+  check_rows(x, w, at::kFloat, "float32");
+  return rows_times<F32>(x, w);
+}
+
+#ifdef SHARDWISE_DP_BF16
+at::Tensor linear_bf16_dp(const at::Tensor& x, const at::Tensor& w) {
+  check_rows(x, w, at::kBFloat16, "bfloat16");
+  return rows_times<BF16>(x, w);
+}
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SHARDWISE_AMX_BF16 1
@@ -308,8 +363,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
 
 TORCH_LIBRARY(shardwise_rows, m) {
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor", &linear_f32);
-#ifdef SHARDWISE_AMX_BF16
+#if defined(SHARDWISE_AMX_BF16)
   if (amx_permitted()) m.def("linear_bf16(Tensor x, Tensor w) -> Tensor", &linear_bf16);
+#endif
+#if defined(SHARDWISE_DP_BF16)
+  m.def("linear_bf16_dp(Tensor x, Tensor w) -> Tensor", &linear_bf16_dp);
 #endif
 }
 #else
