@@ -43,18 +43,17 @@ def test_one_row_equals_f_linear_bit_for_bit(dtype, out_features, in_features):
 
 
 def test_bfloat16_kernel_on_this_machine():
-    """Where the CPU has AVX512-BF16 (this VM's Xeon) the compiled bfloat16 GEMV is built and used; its
-    float32 sums rounded once agree with the float64 product of the same bfloat16 values to within
-    one bfloat16 step."""
+    """Where the CPU has AVX512-BF16 the compiled bfloat16 product is built; one row's float32 sums rounded
+    once agree with the float64 product of the same bfloat16 values to within one bfloat16 step."""
     if not cpu_has("avx512_bf16"):
         pytest.skip("this CPU has no AVX512-BF16: bfloat16 one-row products stay torch.mv")
-    kernel = gemv.bf16_kernel()
-    assert kernel is not None
+    op = gemv.rows_kernel(torch.bfloat16)
+    assert op is not None
     gen = torch.Generator().manual_seed(5)
     weight, x = torch.randn(300, 1000, generator=gen).bfloat16(), torch.randn(1000, generator=gen).bfloat16()
     exact = (weight.double() @ x.double())
     step = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 7) + 2.0**-20 * (weight.double().abs() @ x.double().abs())
-    assert bool(((kernel(weight, x).double() - exact).abs() <= step).all())
+    assert bool(((op(x.view(1, -1), weight).view(-1).double() - exact).abs() <= step).all())
 
 
 def test_other_cases_are_f_linear():
@@ -87,7 +86,7 @@ def fresh_choice(tmp_path, monkeypatch):
 
 
 def test_choice_is_measured_once_stored_and_read_back(fresh_choice):
-    if gemv.f32_kernel() is None:
+    if gemv.rows_kernel(torch.float32) is None:
         pytest.skip("no compiled float32 kernel here (no AVX-512 or no compiler): torch.mv is the only candidate")
     threads = torch.get_num_threads()
     chosen = gemv.chosen_kernel(torch.float32)
@@ -100,13 +99,13 @@ def test_choice_is_measured_once_stored_and_read_back(fresh_choice):
         gemv._chosen.clear()
         assert (gemv.chosen_kernel(torch.float32) is not None) == (choice == "kernel")
     weight, x = torch.randn(70, 50), torch.randn(50)
-    assert torch.equal(gemv.mv(weight, x), gemv.f32_kernel()(x.view(1, -1), weight).view(-1))
+    assert torch.equal(gemv.mv(weight, x), gemv.rows_kernel(torch.float32)(x.view(1, -1), weight).view(-1))
     assert float((gemv.mv(weight, x) - torch.mv(weight, x)).abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("forced", ["torch", "kernel"])
 def test_environment_overrides_the_choice(fresh_choice, monkeypatch, forced):
-    if gemv.f32_kernel() is None:
+    if gemv.rows_kernel(torch.float32) is None:
         pytest.skip("no compiled float32 kernel here: torch.mv is the only candidate")
     monkeypatch.setenv("SHARDWISE_GEMV", forced)
     assert (gemv.chosen_kernel(torch.float32) is not None) == (forced == "kernel")

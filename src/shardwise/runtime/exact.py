@@ -24,8 +24,8 @@ kernels (``csrc/row_linear.cpp``; float32: each output one 16-lane dot product i
 whatever M, the other rows and the thread; bfloat16, on CPUs with AMX-BF16: each output one
 element of a full 16 x 16 AMX tile product accumulated over k in ascending 32-wide steps, rounded
 once to bfloat16; on AVX512-BF16 CPUs without AMX (AMD Zen 4): each output one 16-lane vdpbf16ps
-chain over k in ascending 32-wide steps, rounded once — the bits of the one-row ``bf16_mv`` plain
-decode uses), any other ``F.linear`` (float16, GPU, a non-contiguous weight, no AVX-512 /
+chain over k in ascending 32-wide steps, rounded once — the product plain decode uses for one row
+there, ``runtime.gemv``), any other ``F.linear`` (float16, GPU, a non-contiguous weight, no AVX-512 /
 AVX512-BF16 or no compiler) pads its rows (all leading dimensions flattened) with zero rows
 to a multiple of ``ROW_BLOCK`` = 16 and drops them afterwards, and SiLU / sigmoid / rsqrt
 run on their input flattened and zero-padded to a multiple of ``VECTOR_BLOCK`` = 64
@@ -46,8 +46,8 @@ the padded product (oneDNN) streams a 5632x2048 or 2048x5632 weight at 13-19 GB/
 rows, the AMX kernel at 20-30 GB/s (the one-row GEMV's speed), and at 64-256 rows the kernel
 reaches 620-1090 GFLOP/s against oneDNN's 400-650; measured side by side in one process, two
 threads. On an AMD EPYC (Zen 4) VM the vdpbf16ps kernel streams 23 GB/s for one row and 21 for
-four (padded oneDNN 12 and 10), 183 vs 153 GFLOP/s at 16 rows, 249-266 vs 308-392 at 64-256. Plain ``generate`` runs one-row products (MKL's GEMV in float32) unless asked for
-``exact``; its greedy tokens can then differ from a speculative run's only where two logits tie
+four (padded oneDNN 12 and 10), 183 vs 153 GFLOP/s at 16 rows, 249-266 vs 308-392 at 64-256.
+Plain ``generate`` runs ``runtime.gemv``'s one-row products unless asked for ``exact``; its greedy tokens can then differ from a speculative run's only where two logits tie
 to the last bits.
 """
 

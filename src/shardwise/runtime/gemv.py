@@ -3,8 +3,9 @@
 Two candidates per dtype, and the faster one on this machine is used, chosen by measuring
 (``chosen_kernel``): ``torch.mv`` (F.linear's own bits) and the runtime's compiled kernel — float32:
 ``shardwise_rows.linear_f32`` (``csrc/row_linear.cpp``, the fixed-order AVX-512 product that
-``runtime.exact`` also uses), bfloat16: ``shardwise_gemv.bf16_mv`` (``csrc/decode_gemv.cpp``,
-vdpbf16ps, where the CPU has AVX512-BF16). Which wins depends on the CPU and its BLAS. Measured
+``runtime.exact`` also uses), bfloat16: ``shardwise_rows.linear_bf16_dp`` (the same file's vdpbf16ps
+product, where the CPU has AVX512-BF16: one row at a time it is what ``runtime.exact`` uses without
+AMX, so plain and exact decode get the same bits there). Which wins depends on the CPU and its BLAS. Measured
 with two threads, weights cycled so they stream from memory: on an Emerald Rapids Xeon VM MKL's
 float32 GEMV streamed 25-30 GB/s (the kernel 24-27: torch.mv kept), on an AMD EPYC (Zen 4) VM
 15-17 GB/s against the kernel's 23-27 and ``torch.sum``'s 30 (the kernel chosen: float32 decode
@@ -12,8 +13,8 @@ float32 GEMV streamed 25-30 GB/s (the kernel 24-27: torch.mv kept), on an AMD EP
 Both sum in float32 and round once, in different orders: the kernels' outputs are within float32
 rounding of F.linear's (bfloat16: one bfloat16 step away for an element now and then;
 ``tests/test_runtime_linear.py``). A non-contiguous weight, a float16 one, or no compiler keep
-``torch.mv``. The same library runs a MoE block's routed experts for one row in one call
-(``experts_kernel``), through the chosen float32 product.
+``torch.mv``. ``csrc/decode_gemv.cpp`` runs a MoE block's routed experts for one row in one call
+(``experts_kernel``) through the same products (float32: the chosen one).
 
 The choice is measured once per machine, dtype and thread count, the first time a process needs it
 (~0.5 s: both candidates over 512 MB of weights — more than any L3 — best of three alternating
@@ -34,10 +35,11 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import cpp_ops
 
-__all__ = ["applies", "bf16_kernel", "chosen_kernel", "experts_kernel", "f32_kernel", "mv"]
+__all__ = ["applies", "chosen_kernel", "experts_kernel", "mv", "rows_kernel"]
 
 SOURCE = "decode_gemv.cpp"
-F32_SOURCE = "row_linear.cpp"
+ROWS_SOURCE = "row_linear.cpp"
+_ROWS_OPS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16_dp"}
 MEASURE_BYTES = 512 * 1024 * 1024
 """Weight bytes each candidate streams per measuring round (more than any CPU's last-level cache)."""
 MEASURE_SHAPES = ((5632, 2048), (2048, 5632), (2048, 2048))
@@ -54,28 +56,18 @@ def applies(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not torch._C._is_torch_function_mode_enabled()
 
 
-def bf16_kernel():
-    """The compiled ``shardwise_gemv.bf16_mv(w, x)`` op, or None where this CPU or machine cannot run it
-    (no compiler; no AVX512-BF16: the library registers no such op)."""
-    return cpp_ops.optional_op(SOURCE, "shardwise_gemv", "bf16_mv")
+def rows_kernel(dtype: torch.dtype):
+    """The compiled ``shardwise_rows`` product ``op(x [M, K], w [N, K])`` for ``dtype`` (``linear_f32``,
+    ``linear_bf16_dp``), or None where this CPU or machine cannot run it (no compiler; no AVX-512 /
+    AVX512-BF16: the library registers no such op)."""
+    name = _ROWS_OPS.get(dtype)
+    return None if name is None else cpp_ops.optional_op(ROWS_SOURCE, "shardwise_rows", name)
 
 
-def f32_kernel():
-    """The compiled ``shardwise_rows.linear_f32(x [M, K], w [N, K])`` op, or None (no compiler, no AVX-512)."""
-    return cpp_ops.optional_op(F32_SOURCE, "shardwise_rows", "linear_f32")
-
-
-def _one_row_f32(op):
-    return lambda weight, x: op(x.view(1, -1), weight).view(-1)
-
-
-def _candidate(dtype: torch.dtype) -> tuple[str, Callable] | None:
-    """(source, ``fn(weight, x)``) of the compiled one-row product for ``dtype``, or None."""
-    if dtype == torch.float32 and f32_kernel() is not None:
-        return F32_SOURCE, _one_row_f32(f32_kernel())
-    if dtype == torch.bfloat16 and bf16_kernel() is not None:
-        return SOURCE, bf16_kernel()
-    return None
+def _candidate(dtype: torch.dtype) -> Callable | None:
+    """``fn(weight, x)``: the compiled one-row product for ``dtype``, or None."""
+    op = rows_kernel(dtype)
+    return None if op is None else (lambda weight, x: op(x.view(1, -1), weight).view(-1))
 
 
 def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, rounds: int = 3) -> dict[str, float]:
@@ -110,22 +102,22 @@ def chosen_kernel(dtype: torch.dtype) -> Callable | None:
         if candidate is None or forced == "torch":
             _chosen[key] = None
         elif forced == "kernel":
-            _chosen[key] = candidate[1]
+            _chosen[key] = candidate
         else:
-            _chosen[key] = candidate[1] if _stored_choice(candidate, dtype, key[1])["choice"] == "kernel" else None
+            _chosen[key] = candidate if _stored_choice(candidate, dtype, key[1])["choice"] == "kernel" else None
     return _chosen[key]
 
 
-def _stored_choice(candidate: tuple[str, Callable], dtype: torch.dtype, threads: int) -> dict:
+def _stored_choice(candidate: Callable, dtype: torch.dtype, threads: int) -> dict:
     """This machine's measurement for ``dtype`` at ``threads`` threads: read, or measured and stored."""
-    path = cpp_ops.build_dir(candidate[0]) / f"gemv-choice-{str(dtype).removeprefix('torch.')}-{threads}t.json"
+    path = cpp_ops.build_dir(ROWS_SOURCE) / f"gemv-choice-{str(dtype).removeprefix('torch.')}-{threads}t.json"
     with open(path.with_suffix(".flock"), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass
-        rates = measure(dtype, candidate[1])
+        rates = measure(dtype, candidate)
         record = {**rates, "choice": "kernel" if rates["kernel"] >= KERNEL_MARGIN * rates["torch_mv"] else "torch_mv"}
         path.write_text(json.dumps(record))
         return record
@@ -134,8 +126,8 @@ def _stored_choice(candidate: tuple[str, Callable], dtype: torch.dtype, threads:
 def experts_kernel(dtype: torch.dtype):
     """The compiled ``shardwise_gemv.experts_row(x, gate_up[], down[], weights, slots, out)`` op for
     experts of ``dtype`` (``moe.SparseMoE``'s one-row step), or None: no compiler, a dtype other than
-    float32, or bfloat16 without ``bf16_kernel``."""
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_kernel() is not None):
+    float32, or bfloat16 without its ``rows_kernel``."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and rows_kernel(dtype) is not None):
         op = cpp_ops.optional_op(SOURCE, "shardwise_gemv", "experts_row")
         if op is not None:
             fixed_order = dtype == torch.float32 and chosen_kernel(dtype) is not None

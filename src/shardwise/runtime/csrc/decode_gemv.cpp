@@ -1,26 +1,16 @@
-// One-row products of a decode step on CPU.
+// A MoE block's routed SwiGLU experts for one row of a decode step on CPU, in one call.
 //
-// bf16_mv: y[r] = sum_k w[r, k] x[k], w bfloat16 [N, K] (row-major, contiguous), x bfloat16 [K], y bfloat16
-// [N] (the float32 sum rounded once, to nearest even). vdpbf16ps multiplies 32 bfloat16 pairs exactly and
-// adds them into 16 float32 lanes per instruction; eight rows share each load of x and each row's bytes are
-// prefetched 4 KB ahead (a decode step streams every weight from memory once). Torch's own bfloat16 GEMV
-// streamed the small matrices of a decode step (a MoE expert's 256 x 1024, a 1024 x 256 down projection) at
-// 8-13 GB/s here, this one at 19-22 GB/s; large ones 16-24 against 22-29 GB/s (two threads, side by side).
-// Each row is summed in one fixed order (32-element chunks in ascending k, a masked last chunk, then a
-// fixed-order reduction of the 16 lanes) whatever thread computes it. Built only where the compiler targets
-// AVX512-BF16 (with AVX512-BW for the masked tail).
-//
-// experts_row: a MoE block's routed SwiGLU experts for one row in one call, out += sum over the picked
-// experts i (in the order given) of w[slot_i] * down_i(silu(gate_i x) * up_i x), with the roundings of the
-// torch ops it replaces (each product and sum rounded to the run dtype where those produce it): the
-// products run as bf16_mv (bfloat16) or, in float32, as the one-row product runtime.gemv chose for this
-// machine: torch.mv (MKL, F.linear's bits) or, with `fixed_order`, shardwise_rows::linear_f32 (row_linear.cpp,
-// looked up in the dispatcher: runtime.gemv loads that library first), so only the elementwise steps differ
-// from the torch path, by float32 rounding. Replaces ~8 small ops and a module call per
-// expert, whose dispatch cost a decode step more than their bytes.
+// experts_row: out += sum over the picked experts i (in the order given) of w[slot_i] * down_i(silu(gate_i x)
+// * up_i x), with the roundings of the torch ops it replaces (each product and sum rounded to the run dtype
+// where those produce it). The products are the one-row products runtime.gemv uses: bfloat16 always
+// shardwise_rows::linear_bf16_dp (row_linear.cpp: vdpbf16ps, each output one fixed-order chain rounded once);
+// float32 torch.mv (MKL, F.linear's bits) or, with `fixed_order` (the kernel runtime.gemv measured faster on
+// this machine), shardwise_rows::linear_f32. Both row_linear.cpp ops are looked up in the dispatcher:
+// runtime.gemv loads that library first. So only the elementwise steps differ from the torch path, by float32
+// rounding. Replaces ~8 small ops and a module call per expert, whose dispatch cost a decode step more than
+// their bytes.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mv.h>
 #include <c10/util/BFloat16.h>
@@ -29,71 +19,29 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define SHARDWISE_BF16_MV 1
-#include <immintrin.h>
-#endif
-
 namespace {
 
-#ifdef SHARDWISE_BF16_MV
+using RowsOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
-constexpr int64_t kAhead = 2048;  // elements (4 KB) of a row prefetched ahead of its reads
-constexpr int64_t kRows = 8;      // rows sharing one load of x: eight streams in flight per thread. On an AMD
-                                  // EPYC (Zen 4) VM, 400 MB of a decoder's shapes cycled, two threads: 20.9-24.9 GB/s
-                                  // against 18.4-22.1 with four rows (2 rows: 16-19, 12 or 16: no better than 8)
-
-at::Tensor bf16_mv(const at::Tensor& w, const at::Tensor& x) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "w must be contiguous bfloat16 [N, K]");
-  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(0) == w.size(1),
-              "x must be contiguous bfloat16 [K]");
-  const int64_t N = w.size(0), K = w.size(1), full = K / 32 * 32;
-  const __mmask32 tail = static_cast<__mmask32>((1ull << (K - full)) - 1);
-  at::Tensor y = at::empty({N}, x.options());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r += kRows) {
-      const int64_t rows = r + kRows <= r1 ? kRows : r1 - r;
-      __m512 acc[kRows];
-      const uint16_t* row[kRows];
-      for (int64_t i = 0; i < kRows; ++i) {
-        acc[i] = _mm512_setzero_ps();
-        row[i] = wp + (r + (i < rows ? i : 0)) * K;  // a short last group repeats its first row (result unused)
-      }
-      for (int64_t k = 0; k < full; k += 32) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + k);
-        for (int64_t i = 0; i < kRows; ++i) {
-          _mm_prefetch(reinterpret_cast<const char*>(row[i] + k + kAhead), _MM_HINT_T0);
-          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row[i] + k), xv);
-        }
-      }
-      if (tail) {
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, xp + full);
-        for (int64_t i = 0; i < kRows; ++i)
-          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(tail, row[i] + full), xv);
-      }
-      for (int64_t i = 0; i < rows; ++i) yp[r + i] = c10::BFloat16(_mm512_reduce_add_ps(acc[i]));
-    }
-  });
-  return y;
+// shardwise_rows' product for `dtype` (linear_f32 or linear_bf16_dp), looked up once.
+const RowsOp& rows_op(at::ScalarType dtype) {
+  const auto find = [](const char* name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  };
+  if (dtype == at::kFloat) {
+    static const RowsOp op = find("shardwise_rows::linear_f32");
+    return op;
+  }
+  static const RowsOp op = find("shardwise_rows::linear_bf16_dp");
+  return op;
 }
-#endif
 
-// w [N, K] times x [K] in their dtype: bf16_mv for bfloat16; for float32 torch.mv, or linear_f32 if
+// w [N, K] times x [K] in their dtype: linear_bf16_dp for bfloat16; for float32 torch.mv, or linear_f32 if
 // `fixed_order`.
 at::Tensor row_product(const at::Tensor& w, const at::Tensor& x, bool fixed_order) {
-#ifdef SHARDWISE_BF16_MV
-  if (w.scalar_type() == at::kBFloat16) return bf16_mv(w, x);
-#endif
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "experts_row runs float32, or bfloat16 on AVX512-BF16 CPUs");
-  if (!fixed_order) return at::mv(w, x);
-  static const auto linear_f32 = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("shardwise_rows::linear_f32", "")
-                                     .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return linear_f32.call(x.view({1, x.numel()}), w).view({w.size(0)});
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "experts_row runs float32 or bfloat16");
+  if (w.scalar_type() == at::kFloat && !fixed_order) return at::mv(w, x);
+  return rows_op(w.scalar_type()).call(x.view({1, x.numel()}), w).view({w.size(0)});
 }
 
 template <typename T>
@@ -146,9 +94,6 @@ void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList dow
 }  // namespace
 
 TORCH_LIBRARY(shardwise_gemv, m) {
-#ifdef SHARDWISE_BF16_MV
-  m.def("bf16_mv(Tensor w, Tensor x) -> Tensor", &bf16_mv);
-#endif
   m.def("experts_row(Tensor x, Tensor[] gate_up, Tensor[] down, Tensor weights, int[] slots, Tensor(a!) out, bool fixed_order) -> ()",
         &experts_row);
 }

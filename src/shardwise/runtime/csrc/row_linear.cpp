@@ -27,15 +27,17 @@
 // 15-25% slower at K = 5632. Measured on this machine (an Emerald Rapids Xeon VM, 2 cores, torch 2.13, 2 threads;
 // 12 weights of 5632x2048 and of 2048x5632 cycled so they stream from memory, best of 5 rounds alternating
 // with the padded F.linear runtime.exact uses otherwise, in one process): 1-16 rows stream the weight at
-// 20-30 GB/s (the one-row bf16_mv of decode_gemv.cpp: 21-22; padded oneDNN: 13-19), 64 and 256 rows reach
+// 20-30 GB/s (the one-row vdpbf16ps GEMV then used for decode: 21-22; padded oneDNN: 13-19), 64 and 256 rows reach
 // 620-1090 and 710-730 GFLOP/s (padded oneDNN: 400-630 and 540-650). Built only where the compiler targets
 // AMX-TILE, AMX-BF16, AVX512-BF16 and AVX512-BW, and registered only if Linux grants this process the tile
 // data (arch_prctl).
 //
 // linear_bf16_dp: the same contract without AMX, on AVX512-BF16 (AMD Zen 4): the float32 kernel's tiles with
 // vdpbf16ps (each output one 16-lane chain over k in ascending 32-wide steps, a masked last step, one
-// fixed-order lane reduction, rounded once to bfloat16: for one row the bits of decode_gemv.cpp's bf16_mv).
-// Elsewhere runtime.exact keeps the padded product for bfloat16.
+// fixed-order lane reduction, rounded once to bfloat16, to nearest even). It is also runtime.gemv's one-row
+// bfloat16 product for plain decode (1 x 8 tiles: eight weight rows streamed at once; on an AMD EPYC VM, 400 MB
+// of a decoder's shapes cycled, two threads, eight rows read 20.9-24.9 GB/s against 18.4-22.1 with four) and
+// decode_gemv.cpp's for MoE experts. Elsewhere runtime.exact keeps the padded product for bfloat16.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
