@@ -6,7 +6,9 @@
 All figures come from this one run on this machine, so the ratios are what to read:
 
 1. **Roofline**: STREAM-like kernels in torch over 256 MB float32 arrays with ``--threads``
-   threads, best of several passes → GB/s: read (``sum``), copy and triad ``a = b + s·c``
+   threads, in huge pages where the host gives them (as the loader holds weights:
+   ``runtime.hugepages``), best of several passes → GB/s: read (``sum``; also of an array in
+   torch's own 4 KB pages, and the better kept), copy and triad ``a = b + s·c``
    (bytes read + written, write-allocate not counted), and the one-row product (``torch.mv``
    and the runtime's ``gemv.mv``, the array as a [16384, 4096] weight) — measured before every
    round and the best of the run kept, because a shared host's bandwidth moves during a run (one
@@ -88,17 +90,25 @@ def checkpoint() -> Path:
 
 
 def stream_gbps(threads: int, numel: int = 64 * 1024 * 1024, passes: int = 5) -> dict[str, float]:
-    """Best-of-``passes`` read (``sum``), product read (the better of ``torch.mv`` and ``gemv.mv`` over the
-    array as a [numel / 4096, 4096] weight), copy and triad bandwidth (GB/s, bytes read + written, no
-    write-allocate)."""
-    from shardwise.runtime import gemv
+    """Best-of-``passes`` read (``sum``, of an array in huge pages and of one in 4 KB pages), product read
+    (the better of ``torch.mv`` and ``gemv.mv`` over the array as a [numel / 4096, 4096] weight), copy and
+    triad bandwidth (GB/s, bytes read + written, no write-allocate)."""
+    from shardwise.runtime import gemv, hugepages
 
     torch.set_num_threads(threads)
-    a, b, c = (torch.rand(numel) for _ in range(3))
-    weight, x = b.view(-1, 4096), torch.rand(4096)
     size = numel * 4
+    memory = hugepages.arena(3 * size)  # as the loader holds weights; None where the host gives no huge pages
+    if memory is None:
+        a, b, c = (torch.rand(numel) for _ in range(3))
+    else:
+        a, b, c = (memory[i * size : (i + 1) * size].view(torch.float32).uniform_() for i in range(3))
+    plain = torch.rand(numel)  # in the allocator's own (4 KB) pages
+    weight, x = b.view(-1, 4096), torch.rand(4096)
     best = {"read": 0.0, "product": 0.0, "copy": 0.0, "triad": 0.0}
     for _ in range(passes):
+        t0 = time.perf_counter()
+        plain.sum()
+        best["read"] = max(best["read"], size / (time.perf_counter() - t0) / 1e9)
         t0 = time.perf_counter()
         b.sum()
         t1 = time.perf_counter()

@@ -5,7 +5,7 @@ with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~10-20 s once per 
 under ``~/.cache/torch_extensions``) for the CPU it runs on (``-march=native``: AVX-512, AVX2+FMA
 or portable C++), with OpenMP so ``at::parallel_for`` splits work over torch's own threads (the
 ``libgomp.so.1`` torch ships is already loaded and is the one it binds to), and loads it into
-this process once.
+this process once. A build says so on stderr (one line), so the pause is not a mystery.
 
 Ranks starting together build it once: the build runs under an ``flock`` (released by the
 kernel if the builder dies), and a lock file torch's own build left behind when its process was
@@ -45,6 +45,7 @@ def load(source: str) -> None:
             fcntl.flock(held, fcntl.LOCK_EX)
             if not library.exists():
                 (build / "lock").unlink(missing_ok=True)
+                print(f"shardwise: compiling {source} for this CPU (once per machine, ~15 s)", file=sys.stderr, flush=True)
                 build_extension(name, [str(_CSRC / source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                                 extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                                 verbose=False)

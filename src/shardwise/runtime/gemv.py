@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.runtime import cpp_ops
+from shardwise.runtime import cpp_ops, hugepages
 
 __all__ = ["applies", "chosen_kernel", "experts_kernel", "mv", "rows_kernel"]
 
@@ -72,12 +72,18 @@ def _candidate(dtype: torch.dtype) -> Callable | None:
 
 def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, rounds: int = 3) -> dict[str, float]:
     """GB/s of weight bytes that ``torch.mv`` and ``kernel(weight, x)`` stream for one row of ``dtype``,
-    best of ``rounds`` alternating rounds over ``nbytes`` of weights shaped as ``MEASURE_SHAPES``."""
-    weights, total = [], 0
-    while total < nbytes:
-        for shape in MEASURE_SHAPES:
-            weights.append(torch.empty(shape, dtype=dtype).fill_(0.5))  # written: pages really mapped
-            total += weights[-1].numel() * weights[-1].element_size()
+    best of ``rounds`` alternating rounds over ``nbytes`` of weights shaped as ``MEASURE_SHAPES``, held in
+    huge pages where the host gives them (as the loader holds a model's)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    shapes = MEASURE_SHAPES * -(-nbytes // (size * sum(r * c for r, c in MEASURE_SHAPES)))
+    total = size * sum(r * c for r, c in shapes)
+    memory = hugepages.arena(total)  # where the loader puts a model's weights (hugepages.place)
+    if memory is None:
+        memory = torch.empty(total, dtype=torch.uint8)
+    weights, start = [], 0
+    for rows, cols in shapes:
+        weights.append(memory[start : start + rows * cols * size].view(dtype).view(rows, cols).fill_(0.5))  # mapped
+        start += rows * cols * size
     xs = {k: torch.full((k,), 0.01, dtype=dtype) for k in {s[1] for s in MEASURE_SHAPES}}
     best = {"torch_mv": 0.0, "kernel": 0.0}
     for _ in range(rounds):

@@ -43,6 +43,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, local_experts, shard_slice
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE
+from shardwise.runtime import hugepages
 from shardwise.runtime.int_matmul import IntWeight, int_decode, kernel
 from shardwise.runtime.mxfp4_matmul import decode
 from shardwise.runtime.packed_weights import BLOCKS, SCALES, Quantization, quantization
@@ -332,7 +333,8 @@ def load_int_weight(model: torch.nn.Module, name: str, param: torch.nn.Parameter
 
 def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -> None:
     """Fill every parameter of a ``ShardedCausalLM`` with its slice from checkpoint ``folder``, then
-    stack the weights of projections that share an input (``ShardedCausalLM.stack_projections``)."""
+    stack the weights of projections that share an input (``ShardedCausalLM.stack_projections``) and
+    move the weights into huge pages where the host gives them (``hugepages.place``)."""
     spec, plan, tp_rank = model.spec, model.plan, model.shard.tp_rank
     quant = quantization(spec)
     with Checkpoint(folder) as ckpt:
@@ -364,6 +366,7 @@ def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -
                     param.zero_()  # padding rows past the vocabulary stay zero
                 target.copy_(data)
     model.stack_projections()
+    hugepages.place(model)
 
 
 def load_spec(folder: str | Path) -> ModelSpec:

@@ -8,11 +8,13 @@
 //
 // Tiles of up to 4 x rows by 4 weight rows (16 accumulators; a weight block of 4 rows stays in L1 while the
 // x rows of a 64-row chunk pass over it), or, for one x row (decode), 1 x 8: eight weight rows streamed at
-// once; weight rows are prefetched 8 KB ahead. Threads split the weight rows (at::parallel_for over the
-// blocks). One x row against 400 MB of a decoder's shapes cycled, on an AMD EPYC (Zen 4) VM, side by side:
-// 1 x 8 with 8 KB ahead 17.3-20.6 GB/s on one thread and 25.7-31.0 on two, against 13.0-16.6 and 22.1-27.4
-// for 1 x 4 with 4 KB (the tile shape changes no output's bits: each is its own 16-lane chain). Built only where the compiler targets AVX-512F; elsewhere the
-// library registers no op and runtime.exact pads products to whole row blocks instead.
+// once (the tile shape changes no output's bits: each output is its own 16-lane chain). Threads split the
+// weight rows (at::parallel_for over the blocks). No software prefetch: one x row against 600 MB of a
+// decoder's shapes cycled in huge pages (runtime.hugepages), on an AMD EPYC (Zen 4) VM, side by side, the
+// same tiles prefetching each row 8 KB ahead read 17.0 / 33.2 GB/s (float32, one / two threads) and 19.4 /
+// 21.2 (bfloat16) against 20.3 / 37.3 and 20.9 / 24.2 without (4 KB pages, float32, two threads: 31.9 vs
+// 34.3); four x rows: within 3%. Built only where the compiler targets AVX-512F; elsewhere the library
+// registers no op and runtime.exact pads products to whole row blocks instead.
 //
 // linear_bf16: the same contract for bfloat16 x [M, K], w [N, K] -> y [M, N] bfloat16, on Intel AMX. Weights
 // are the A operand straight from memory (16 rows x 32 k per tile, row stride K), x the B operand, packed
@@ -59,7 +61,6 @@ namespace {
 constexpr int64_t kWeightRows = 4;   // weight rows per tile
 constexpr int64_t kOneRowWeightRows = 8;  // weight rows per tile when M = 1 (decode): eight streams in flight
 constexpr int64_t kChunkRows = 64;   // x rows passing over one weight block before the next block
-constexpr int64_t kAheadBytes = 8192;  // bytes of a weight row prefetched ahead of its reads
 
 // The element types a tile works in: float32 (16 lanes per step, fused multiply-add), and bfloat16 on
 // AVX512-BF16 (32 elements per step, vdpbf16ps: pairs of exact products added into 16 float32 lanes; the
@@ -107,7 +108,6 @@ void tile(const typename E::T* x, const typename E::T* w, typename E::T* y, int6
   for (int64_t k = 0; k < full; k += E::kStep) {
     typename E::V wv[WR];
     for (int64_t j = 0; j < WR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kAheadBytes, _MM_HINT_T0);
       wv[j] = E::load(wr[j] + k);
     }
     for (int i = 0; i < MT; ++i) {
