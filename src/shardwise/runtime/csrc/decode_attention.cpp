@@ -1,0 +1,127 @@
+// Attention of one query row per head (a decode step, or one row of a verify pass) over a cache:
+// out[b, 0, h * dv + e] = sum_j p[b, h, j] v[b, h / g, j, e], p = softmax_j(scale * q[b, h] . k[b, h / g, j]),
+// q [B, H, 1, dk], k [B, KV, L, dk], v [B, KV, L, dv] (H = g * KV; any strides but a contiguous last dim: the
+// caches are read where they lie), float32 or bfloat16 -> out [B, 1, H * dv] in that dtype.
+//
+// Every sum is float32 in one fixed order that depends on L, dk and dv alone (not on B, H, which rows share
+// the call or which thread runs it): a score is one 16-lane fused multiply-add chain over dk (bfloat16
+// widened to float32 exactly; a masked last vector) reduced by _mm512_reduce_add_ps, then times scale; the
+// softmax is at::softmax over the float32 scores of a row (vectorised along L inside one thread); an output
+// element is one chain over j ascending of p * v, rounded once to the dtype (nearest even). So a verify
+// pass, attending row by row, gives each row a one-row step's bits (runtime.attention.attend).
+//
+// Why not torch's scaled_dot_product_attention for one query row: on an AMD EPYC (Zen 4, no AMX) VM, two
+// threads, 16 heads / 4 KV heads of 128, its flash kernel took 36 / 139 / 5183 us in float32 and 172 /
+// 1772 / 15367 us in bfloat16 at 64 / 512 / 4096 keys (an eager matmul-softmax-matmul: 60 / 127 / 1862 and
+// 97 / 165 / 1060): at long context a decode step spent more time in attention than reading the weights.
+// Threads split (batch row, KV head, 256-key block) for the scores and (batch row, KV head, 16 value
+// lanes) for the outputs; each KV head's keys and values are read once for all g of its query heads.
+// Built only where the compiler targets AVX-512F and BW; elsewhere no op is registered (SDPA runs).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kKeyBlock = 256;  // keys per scoring task
+constexpr int64_t kHeads = 8;       // query heads sharing one pass over a KV head's rows (accumulators)
+
+// 16 elements from p as float32 (the first `n` of them; the rest zero).
+inline __m512 load16(const float* p, int64_t n) {
+  return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline __m512 load16(const c10::BFloat16* p, int64_t n) {
+  const __m256i raw = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bfloat16 -> float32, exact
+}
+
+template <class T>
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), dk = q.size(3), KV = k.size(1), L = k.size(2), dv = v.size(3);
+  const int64_t g = H / KV;
+  const at::Tensor qf = q.to(at::kFloat).contiguous();  // widened once (exact), read for every key
+  const float* qp = qf.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  at::Tensor scores = at::empty({B, H, L}, q.options().dtype(at::kFloat));
+  float* sp = scores.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t blocks = (L + kKeyBlock - 1) / kKeyBlock;
+  at::parallel_for(0, B * KV * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (KV * blocks), kvh = t / blocks % KV, j0 = t % blocks * kKeyBlock;
+      for (int64_t h0 = 0; h0 < g; h0 += kHeads) {
+        const int64_t n = std::min(kHeads, g - h0);
+        const float* qh = qp + (b * H + kvh * g + h0) * dk;
+        for (int64_t j = j0; j < std::min(L, j0 + kKeyBlock); ++j) {
+          const T* kr = kp + b * ks0 + kvh * ks1 + j * ks2;
+          __m512 acc[kHeads];
+          for (int64_t i = 0; i < n; ++i) acc[i] = _mm512_setzero_ps();
+          for (int64_t d = 0; d < dk; d += 16) {
+            const __m512 kv = load16(kr + d, dk - d);
+            for (int64_t i = 0; i < n; ++i) acc[i] = _mm512_fmadd_ps(load16(qh + i * dk + d, dk - d), kv, acc[i]);
+          }
+          for (int64_t i = 0; i < n; ++i) sp[(b * H + kvh * g + h0 + i) * L + j] = _mm512_reduce_add_ps(acc[i]) * sc;
+        }
+      }
+    }
+  });
+  const at::Tensor probs = scores.softmax(-1);
+  const float* pp = probs.data_ptr<float>();
+  at::Tensor out = at::empty({B, 1, H * dv}, q.options());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t lanes = (dv + 15) / 16;
+  at::parallel_for(0, B * KV * lanes, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (KV * lanes), kvh = t / lanes % KV, e = t % lanes * 16, width = std::min<int64_t>(16, dv - e);
+      for (int64_t h0 = 0; h0 < g; h0 += kHeads) {
+        const int64_t n = std::min(kHeads, g - h0);
+        const float* ph = pp + (b * H + kvh * g + h0) * L;
+        __m512 acc[kHeads];
+        for (int64_t i = 0; i < n; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; ++j) {
+          const __m512 vv = load16(vp + b * vs0 + kvh * vs1 + j * vs2 + e, width);
+          for (int64_t i = 0; i < n; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(ph[i * L + j]), vv, acc[i]);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          alignas(64) float lane[16];
+          _mm512_store_ps(lane, acc[i]);
+          T* dst = op + b * H * dv + (kvh * g + h0 + i) * dv + e;
+          for (int64_t l = 0; l < width; ++l) dst[l] = static_cast<T>(lane[l]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 && q.is_contiguous(),
+              "q must be contiguous [B, H, 1, dk]; k [B, KV, L, dk], v [B, KV, L, dv]");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2) &&
+              k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0 && k.size(2) > 0,
+              "k and v must hold the same positive number of keys for KV heads dividing q's heads, k with q's dk");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous along their last dim");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k and v must share a dtype");
+  if (q.scalar_type() == at::kFloat) return attend_rows<float>(q, k, v, scale);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "q, k and v must be float32 or bfloat16");
+  return attend_rows<c10::BFloat16>(q, k, v, scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shardwise_attn, m) { m.def("decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &decode); }
+#else
+TORCH_LIBRARY(shardwise_attn, m) {}
+#endif

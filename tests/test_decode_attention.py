@@ -1,0 +1,80 @@
+"""The compiled one-row attention (``csrc/decode_attention.cpp``) that decode steps and verify rows run on
+the CPU: within float32 rounding of a float64 reference (bfloat16: as close as torch's own kernel) for
+grouped, MLA-shaped (dk != dv) and odd head sizes over cache slices read in place; each row's bits do not
+depend on the batch it shares a call with or on the thread count; and ``attend`` takes it for one row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import cpu_has
+from shardwise.runtime import cpp_ops
+from shardwise.runtime.attention import attend
+
+SHAPES = [(16, 4, 128, 128, 64), (8, 8, 192, 128, 300), (14, 2, 80, 80, 77), (32, 4, 64, 64, 1000), (4, 1, 16, 8, 1)]
+
+
+@pytest.fixture(scope="module")
+def op():
+    if not (cpu_has("avx512f") and cpu_has("avx512bw")):
+        pytest.skip("no AVX-512 F/BW on this CPU: one-row attention stays torch's SDPA")
+    kernel = cpp_ops.optional_op("decode_attention.cpp", "shardwise_attn", "decode")
+    assert kernel is not None
+    return kernel
+
+
+def _case(shape, dtype, batch=1, seed=0):
+    heads, kv, dk, dv, keys = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, 1, dk, generator=gen).to(dtype)
+    k = torch.randn(batch, kv, keys + 9, dk, generator=gen).to(dtype)[:, :, :keys]  # a cache's first keys, in place
+    v = torch.randn(batch, kv, keys + 9, dv, generator=gen).to(dtype)[:, :, :keys]
+    return q, k, v, dk**-0.5
+
+
+def _reference(q, k, v, scale):
+    out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(q.shape[0], 1, -1)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_reference(op, shape, dtype):
+    q, k, v, scale = _case(shape, dtype, batch=2)
+    got = op(q, k, v, scale)
+    assert got.shape == (2, 1, shape[0] * shape[3]) and got.dtype == dtype
+    error = (got.double() - _reference(q, k, v, scale)).abs().max().item()
+    if dtype == torch.float32:
+        assert error <= 1e-6
+    else:  # the output rounded once to bfloat16: torch's kernel is no closer
+        theirs = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True).transpose(1, 2).reshape(2, 1, -1)
+        assert error <= max(2 ** -8, (theirs.double() - _reference(q, k, v, scale)).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(op, dtype):
+    q, k, v, scale = _case((16, 4, 128, 128, 700), dtype, batch=3, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [op(q[i : i + 1], k[i : i + 1], v[i : i + 1], scale) for i in range(3)]
+        torch.set_num_threads(max(2, threads))
+        together = op(q, k, v, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.cat(alone), together)
+
+
+def test_attend_takes_it_for_one_row(op):
+    q, k, v, scale = _case((16, 4, 128, 128, 40), torch.float32)
+    assert torch.equal(attend(q, k, v, torch.tensor([39]), None, scale), op(q, k, v, scale))
+
+
+def test_bad_inputs_are_refused(op):
+    q, k, v, scale = _case((16, 4, 128, 128, 40), torch.float32)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(q, k.double(), v, scale)
+    with pytest.raises(RuntimeError, match="KV heads dividing"):
+        op(q, k[:, :3], v[:, :3], scale)
