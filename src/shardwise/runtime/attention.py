@@ -365,12 +365,48 @@ class MLAttention(nn.Module):
 
     def _cached(self, query: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
         """Write latents ``new`` [b, T, rank + rope] at ``positions`` [T] into cache rows ``rows``
-        and attend ``query`` [b, H, T, nope + rope] over those rows' keys → [b, T, H·v_dim]."""
+        and attend ``query`` [b, H, T, nope + rope] over those rows' keys → [b, T, H·v_dim]: a prefill
+        from position 0 through keys and values expanded by ``kv_b_proj``, every other pass (decode
+        steps, verify passes: ``attend``'s row-by-row cases) in the absorbed form where it runs."""
         b = query.shape[0]
         start, end = int(positions[0]), int(positions[-1]) + 1
         self.latent_cache[rows, start:end] = new
+        if positions.numel() == 1 or start > 0:
+            absorbed = self._absorbed(query, positions, rows)
+            if absorbed is not None:
+                return absorbed
         latent = self.latent_cache[rows, :end]
         kv = self.kv_b_proj(latent[..., : self.kv_lora_rank]).view(b, end, self.heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
         keys = torch.cat([k_nope, latent[..., self.kv_lora_rank :].unsqueeze(1).expand(-1, self.heads, -1, -1)], dim=-1)
         return attend(query, keys, values, positions, None, self.scaling)
+
+    def _absorbed(self, query: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor | None:
+        """Attention in the absorbed form (DeepSeek-V2 §2.1.2; vLLM's MLA decode), row by row: each
+        head's no-rope query times its ``kv_b_proj`` key block [nope, rank] gives a query in latent
+        space, which attends over the cached latents as one shared KV head (keys: latent | rope part,
+        values: the latent), and the latent output times its value block [v, rank]ᵀ is the head's
+        output. Nothing is expanded per cached token: a step reads the cache once, where the expanded
+        form multiplies every cached latent by ``kv_b_proj`` again. Each row runs a one-row step's
+        shapes, so a verify pass's rows get a step's bits. None where it does not run: not on the
+        CPU kernel ``attend`` uses for one row, or a ``kv_b_proj`` held packed (int weights)."""
+        weight = self.kv_b_proj.weight
+        cache = self.latent_cache[rows]
+        if not isinstance(weight, torch.Tensor) or weight.dtype != query.dtype:
+            return None
+        op = _one_row_kernel(query, cache, cache)
+        if op is None:
+            return None
+        b, heads, rank = query.shape[0], self.heads, self.kv_lora_rank
+        blocks = weight.view(heads, self.nope + self.v_dim, rank)
+        keys, values = blocks[:, : self.nope], blocks[:, self.nope :].transpose(1, 2)  # [H, nope, rank], [H, rank, v]
+        rows_out = []
+        for i in range(positions.numel()):
+            end = int(positions[i]) + 1
+            q = query[:, :, i : i + 1]  # [b, H, 1, nope + rope]
+            q_latent = torch.matmul(q[..., : self.nope], keys)  # [b, H, 1, rank]
+            latent = cache[:, :end].unsqueeze(1)  # [b, 1, L, rank + rope]: one KV head for all H
+            out = op(torch.cat([q_latent, q[..., self.nope :]], dim=-1).contiguous(), latent, latent[..., :rank], self.scaling)
+            rows_out.append(torch.matmul(out.view(b, heads, 1, rank), values).view(b, 1, heads * self.v_dim))
+        return torch.cat(rows_out, dim=1)
+
