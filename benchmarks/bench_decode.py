@@ -22,7 +22,9 @@ All figures come from this one run on this machine, so the ratios are what to re
    speculative decoding verifies with and serving runs), to show what that exactness costs.
 3. **transformers**: ``LlamaForCausalLM.generate`` on the same safetensors checkpoint, same
    dtype, greedy, ``use_cache``; decode tok/s = (N − 1) / (t(N new tokens) − t(1 new token)).
-   Rounds alternate 2 and 3; the best round of each is kept.
+   Rounds alternate 2 and 3; the best round of each is kept. It runs as users run it: its weights
+   in torch's allocator's 4 KB pages (torch asks for huge pages only under ``THP_MEM_ALLOC_ENABLE=1``
+   set before start), where shardwise's loader moves its weights into 2 MB pages.
 4. **llama.cpp** (llama-cpp-python, built from source) on the same weights as GGUF — F32 as llama.cpp's
    converter writes it, BF16 / Q8_0 / Q4_0 by llama.cpp's own quantizer — same threads: decode
    tok/s, its bytes per token and share of the roofline, and shardwise's ratio at the matching

@@ -289,8 +289,8 @@ class MLAttention(nn.Module):
     """DeepSeek-V3 multi-head latent attention over this rank's heads.
 
     The latent cache [max_batch, S, kv_lora_rank + rope] (one row per cache slot) is what
-    DeepSeek stores per token; keys and values of this rank's heads are expanded from it
-    through kv_b each step.
+    DeepSeek stores per token. A prefill expands keys and values of this rank's heads from it
+    through kv_b; later passes attend in the absorbed form (``_absorbed``) where it runs.
     """
 
     def __init__(
