@@ -12,7 +12,8 @@ All figures come from this one run on this machine, so the ratios are what to re
    (bytes read + written, write-allocate not counted), and the one-row product (``torch.mv``
    and the runtime's ``gemv.mv``, the array as a [16384, 4096] weight) — measured before every
    round and the best of the run kept, because a shared host's bandwidth moves during a run (one
-   run here read 25-45 GB/s at different moments). Decode streams weights it only reads, so the
+   run here read 25-45 GB/s at different moments; each round's share of the sample taken just
+   before it is printed too). Decode streams weights it only reads, so the
    ceiling is the best read bandwidth (``sum`` or a product) over the weight bytes one token reads
    (every layer's weights and the LM head; the embedding reads one row; the KV cache at
    this context is < 0.1 % and left out); the triad ceiling is printed next to it.
@@ -29,9 +30,10 @@ All figures come from this one run on this machine, so the ratios are what to re
    converter writes it, BF16 / Q8_0 / Q4_0 by llama.cpp's own quantizer — same threads: decode
    tok/s, its bytes per token and share of the roofline, and shardwise's ratio at the matching
    dtype (``--no-llama-cpp`` skips it).
-5. **shardwise int8 / int4** (``quantize --format int8`` per channel, ``int4`` groups of 32; the LM head
-   and embedding stay float as ``quantize`` leaves them) at tp=1, activations in ``--dtype``: decode
-   tok/s, bytes per token and share of their own roofline, next to llama.cpp's Q8_0 / Q4_0.
+5. **shardwise int8 / int4** (``quantize --format int8`` per channel, ``int4`` groups of 32, with
+   ``--lm-head``: the LM head quantized too, as llama.cpp's files hold theirs — Q8_0's in Q8_0, Q4_0's
+   in Q6_K; the embedding stays float, one row read per token) at tp=1, activations in ``--dtype``:
+   decode tok/s, bytes per token and share of their own roofline, next to llama.cpp's Q8_0 / Q4_0.
 6. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each; all-reduce by gloo's
    ``builtin`` and through shared memory, ``shm``) and a traced tp=2 run
    whose per-rank compute / comm / wait shares explain the difference to tp=1.
@@ -167,17 +169,17 @@ def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dt
 
 
 def shardwise_int(folder: Path, fmt: str, prompt: list[int], tokens: int, threads: int, dtype: str) -> tuple[float, int]:
-    """(decode tok/s, weight bytes one token reads) of the checkpoint quantized to ``fmt`` (written once
-    beside the float one), run at tp=1 with ``dtype`` activations."""
+    """(decode tok/s, weight bytes one token reads) of the checkpoint quantized to ``fmt``, LM head included
+    (written once beside the float one), run at tp=1 with ``dtype`` activations."""
     from shardwise.plan import ParallelPlan
     from shardwise.runtime.generate import generate
     from shardwise.runtime.loader import load_shard, load_spec
     from shardwise.runtime.model import ShardedCausalLM
     from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
 
-    out = folder.with_name(f"{folder.name}-{fmt}")
+    out = folder.with_name(f"{folder.name}-{fmt}-head")
     if not (out / "model.safetensors").exists():
-        quantize_checkpoint(folder, out.with_name(out.name + ".partial"), fmt, compare=False)
+        quantize_checkpoint(folder, out.with_name(out.name + ".partial"), fmt, compare=False, lm_head=True)
         out.with_name(out.name + ".partial").rename(out)
     torch.set_num_threads(threads)
     model = ShardedCausalLM(load_spec(out), ParallelPlan(), 0, getattr(torch, dtype), max_seq_len=len(prompt) + tokens)
@@ -343,6 +345,9 @@ def main() -> None:
     print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
     print(f"shardwise / transformers = {best / hf:.2f}x ({padded / hf:.2f}x with exact=True); "
           f"shardwise / roofline = {100 * best / ceiling:.0f}% ({100 * padded / ceiling:.0f}%)")
+    paired = [100 * rate * weight_bytes / (max(s["read"], s["product"]) * 1e9) for rate, s in zip(ours, samples)]
+    print(f"  each round against the bandwidth sampled just before it (the same moment): "
+          f"{', '.join(f'{p:.0f}%' for p in paired)}")
     for fmt, rates in ints.items():
         roof = read * 1e9 / int_bytes[fmt]
         print(f"shardwise {fmt:5s} {max(rates):6.2f} tok/s  ({int_bytes[fmt] / 1e9:.2f} GB per token, "

@@ -68,6 +68,13 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
             quantize_checkpoint(src, out[name], fmt, compare=False)
             out[name + "_ref"] = dequantize_checkpoint(out[name], root / (name + "_ref"))
     out["llama_float"] = floats["llama"]
+    # the LM head quantized too (--lm-head), over a vocabulary two ranks split unevenly (a padding row)
+    odd = make_checkpoint("llama-3.1-8b", "tiny", root / "llama_v509", seed=14, overrides={"vocab_size": 509})
+    for fmt in ("int8", "int4"):
+        name = f"llama_{fmt}_head"
+        out[name] = root / name
+        quantize_checkpoint(odd, out[name], fmt, compare=False, lm_head=True)
+        out[name + "_ref"] = dequantize_checkpoint(out[name], root / (name + "_ref"))
     return out
 
 
@@ -87,12 +94,37 @@ def test_written_layout(ckpts):
     assert (weights8["group_0"]["weights"]["strategy"], weights8["group_0"]["weights"]["group_size"]) == ("channel", None)
 
 
+def test_lm_head_quantized_on_request(ckpts, tmp_path):
+    """``--lm-head`` packs the LM head in the layers' scheme (no ``lm_head`` ignore rule), the planner
+    prices it so, and the runtime holds it packed on every rank (the last rank's padding row scaled
+    to zero, never the argmax); formats that cannot, and a head tied to the embedding, are refused."""
+    for fmt, planned in (("int8", "int8"), ("int4", "int4-g32")):
+        folder = ckpts[f"llama_{fmt}_head"]
+        config = json.loads((folder / "config.json").read_text())["quantization_config"]
+        assert "lm_head" not in config["ignore"]
+        assert load_spec(folder).quant_formats["lm_head"] == planned
+        assert "lm_head" not in load_spec(ckpts[f"llama_{fmt}"]).quant_formats  # the default keeps it float
+        with safe_open(folder / "model.safetensors", framework="pt") as f:
+            assert "lm_head.weight_packed" in f.keys() and "lm_head.weight" not in f.keys()
+        for rank in (0, 1):
+            head = _model(folder, 2, 1, rank).lm_head
+            assert isinstance(head.weight, IntWeight) and head.weight.q.shape[0] == 255
+            assert (head.stop - head.start, int(head.weight.scale[head.stop - head.start:].abs().sum())) == (
+                (255, 0) if rank == 0 else (254, 0))
+    src = ckpts["llama_float"]
+    with pytest.raises(ShardwiseError, match="--lm-head applies to int8/int4"):
+        quantize_checkpoint(src, tmp_path / "mx", "mxfp4", compare=False, lm_head=True)
+    tied = make_checkpoint("llama-3.1-8b", "tiny", tmp_path / "tied", seed=3, overrides={"tie_word_embeddings": True})
+    with pytest.raises(ShardwiseError, match="tie_word_embeddings"):
+        quantize_checkpoint(tied, tmp_path / "t8", "int8", compare=False, lm_head=True)
+
+
 def test_compressed_tensors_reads_our_checkpoints(ckpts):
     """The compressed-tensors library (through transformers' loader) decompresses our int8/int4
     checkpoints to our weights: it multiplies q by the scale in the scale's dtype (bfloat16), so
     its values are our exact q × scale rounded to bfloat16, bit for bit; unquantized tensors are
     identical. (Its logits therefore differ from the exact weights' by the bfloat16 rounding.)"""
-    for key in ("llama_int8", "llama_int4", "qwen3_moe_int4"):
+    for key in ("llama_int8", "llama_int4", "qwen3_moe_int4", "llama_int4_head"):
         _, theirs, reference = library_and_reference(ckpts[key], ckpts[key + "_ref"])
         with safe_open(ckpts[key] / "model.safetensors", framework="pt") as f:
             packed = {k.removesuffix("_packed") for k in f.keys() if k.endswith(".weight_packed")}
@@ -118,9 +150,10 @@ def _rank_cases(rank: int, world_size: int, cases: list) -> list[dict]:
     return out
 
 
-TP1 = ["llama_int8", "llama_int4", "qwen3_moe_int8", "qwen3_moe_int4", "qwen3_5_int4", "qwen3_5_int8"]
+TP1 = ["llama_int8", "llama_int4", "qwen3_moe_int8", "qwen3_moe_int4", "qwen3_5_int4", "qwen3_5_int8",
+       "llama_int8_head", "llama_int4_head"]
 TP2 = [("llama_int8", 2, 1), ("llama_int4", 2, 1), ("qwen3_moe_int4", 2, 2), ("qwen3_moe_int8", 2, 1),
-       ("qwen3_5_int8", 2, 1)]
+       ("qwen3_5_int8", 2, 1), ("llama_int8_head", 2, 1), ("llama_int4_head", 2, 1)]
 
 
 def _reference(ckpts, key: str) -> tuple:
@@ -158,7 +191,7 @@ def test_tp2_matches_the_dequantized_reference(ckpts):
 def test_resident_bytes_equal_the_plan(ckpts):
     """A rank holds its int4 weights at exactly the planner's 4.5 bits per weight, and its int8
     weights at the planner's 8 bits plus one bfloat16 scale per output row it holds."""
-    for key in ("llama_int4", "llama_int8", "qwen3_moe_int4"):
+    for key in ("llama_int4", "llama_int8", "qwen3_moe_int4", "llama_int8_head", "llama_int4_head"):
         spec = load_spec(ckpts[key])
         for tp in (1, 2):
             ep = tp if spec.moe else 1
@@ -168,7 +201,7 @@ def test_resident_bytes_equal_the_plan(ckpts):
                 model = _model(ckpts[key], tp, ep, rank)
                 held = [m for m in model.modules() if isinstance(m, IntWeight)]
                 packed = sum(m.q.numel() * m.q.element_size() + m.scale.numel() * 2 for m in held)
-                row_scales = sum(m.scale.numel() for m in held) * 2 if key.endswith("int8") else 0
+                row_scales = sum(m.scale.numel() for m in held) * 2 if "int8" in key else 0
                 planned = rank_group_bytes(spec, plan, bits, rank)
                 planned_int = sum(v for g, v in planned.items() if spec.run_formats("fp32")[g].startswith("int"))
                 assert packed == planned_int + row_scales, (key, tp, rank)

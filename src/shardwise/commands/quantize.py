@@ -43,6 +43,7 @@ def register(app: typer.Typer) -> None:
         fmt: Annotated[str, typer.Option("--format", help="mxfp4 (32-input blocks, E8M0 scales), int8 (per output channel) or int4 (per group)")] = "mxfp4",
         group_size: Annotated[int | None, typer.Option("--group-size", help="int4/int8: inputs per bfloat16 scale (a multiple of 32; int4 default 32, int8 default per channel)")] = None,
         experts_only: Annotated[bool, typer.Option("--experts-only", help="quantize only the routed experts (gpt_oss: always)")] = False,
+        lm_head: Annotated[bool, typer.Option("--lm-head", help="int8/int4: quantize the LM head too (as llama.cpp's Q8_0/Q4_0 do)")] = False,
         scale_rounding: Annotated[str, typer.Option("--scale-rounding", help="ocp (floor(log2 amax) - 2) or up (no saturation)")] = "ocp",
         compare: Annotated[bool, typer.Option("--compare/--no-compare", help="run both checkpoints on a fixed prompt and report the logits difference")] = True,
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
@@ -64,6 +65,7 @@ def register(app: typer.Typer) -> None:
             result = quantize_checkpoint(
                 checkpoint, out, fmt, experts_only=experts_only, scale_rounding=scale_rounding, compare=compare,
                 progress=lambda name: bar.update(task, advance=1, description=name), group_size=group_size,
+                lm_head=lm_head,
             )
         if json_out:
             print(json.dumps(result.to_dict(), indent=2))

@@ -30,7 +30,6 @@ from shardwise.runtime import cpp_ops
 from shardwise.runtime.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
-    RMSNorm,
     RowParallelLinear,
     Shard,
     apply_rotary,
@@ -38,6 +37,7 @@ from shardwise.runtime.layers import (
     project_inputs,
     shard_param,
 )
+from shardwise.runtime.rms_norm import RMSNorm
 from shardwise.spec.mixers import cache_positions
 from shardwise.spec.model import TensorSpec
 

@@ -43,6 +43,7 @@ from shardwise.runtime.layers import (
     shard_param,
 )
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv, delta_rule_step, fused_step
+from shardwise.runtime.rms_norm import rms_norm
 from shardwise.spec.mixers import LinearAttentionSpec
 from shardwise.spec.model import TensorSpec
 
@@ -122,11 +123,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
-        return (h * F.silu(gate.float())).to(dtype)
+        h = rms_norm(x, self.weight, self.eps)
+        return (h * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):

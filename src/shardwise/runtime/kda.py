@@ -55,6 +55,7 @@ from shardwise.runtime.layers import (
     shard_param,
 )
 from shardwise.runtime.linear_state import LinearStateCache, causal_conv, delta_rule_step, fused_step
+from shardwise.runtime.rms_norm import rms_norm
 from shardwise.spec.model import TensorSpec
 
 CHUNK = 64
@@ -214,7 +215,5 @@ class KimiDeltaAttention(nn.Module):
 
     def _gated_norm(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's d_v (float32), times sigmoid(gate), in the run dtype."""
-        h = out.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.o_norm.weight.float() * h * torch.sigmoid(gate.float().view(out.shape))
-        return h.to(out.dtype)
+        h = rms_norm(out.float(), self.o_norm.weight.float(), self.eps)  # float32: w · h
+        return (h * torch.sigmoid(gate.float().view(out.shape))).to(out.dtype)

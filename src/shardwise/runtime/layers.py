@@ -1,5 +1,5 @@
 """Tensor-parallel building blocks: sharded linear layers, vocab-parallel embedding and LM
-head, RMSNorm, rotary embeddings and the all-reduce hook.
+head, rotary embeddings and the all-reduce hook (RMSNorm: ``runtime.rms_norm``).
 
 Sharding is declared on the layer: every parameter is created from its ``TensorSpec``
 (the ModelSpec entry with the checkpoint name, logical shape and split dimension) and
@@ -326,25 +326,6 @@ class VocabParallelLMHead(nn.Module):
         stacked = allreduce(stacked)  # [ranks, ..., 2]; ranks hold ascending ids
         best = stacked[..., 0].argmax(dim=0, keepdim=True)  # first maximum = lowest id
         return stacked[..., 1].gather(0, best).squeeze(0).long()
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm in float32. ``cast_after_weight`` follows gpt-oss ((w·x) cast) instead of
-    Llama (w · x cast), which differs only in low precision."""
-
-    def __init__(self, weight: TensorSpec, shard: Shard, dtype: torch.dtype, eps: float, cast_after_weight: bool = False):
-        super().__init__()
-        self.weight = shard_param(weight, shard, dtype)
-        self.eps = eps
-        self.cast_after_weight = cast_after_weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.cast_after_weight:
-            return (self.weight * h).to(dtype)
-        return self.weight * h.to(dtype)
 
 
 # ---------------------------------------------------------------------------- rotary embeddings

@@ -311,10 +311,15 @@ def read_packed_spans(tensor: TensorSpec, ckpt: Checkpoint, quant: Quantization,
 def load_int_weight(model: torch.nn.Module, name: str, param: torch.nn.Parameter, ckpt: Checkpoint,
                     quant: Quantization) -> None:
     """Put an ``IntWeight`` holding this rank's packed slices (int8/int4 as stored) where float
-    parameter ``name`` of a Linear was, and build the kernel it runs on (once per process)."""
-    tensor, spans = param.spec, getattr(param, "spans", None)
+    parameter ``name`` of a Linear (or of the LM head) was, and build the kernel it runs on (once per
+    process). A vocabulary-parallel head's rows past the vocabulary get zero scales (zero logits,
+    which the head then masks to -inf)."""
+    tensor, spans, rows = param.spec, getattr(param, "spans", None), getattr(param, "rows", None)
     if spans is not None:
         blocks, scales = read_packed_spans(tensor, ckpt, quant, spans)
+    elif rows is not None:
+        blocks, scales = (torch.nn.functional.pad(part, (0, 0, 0, param.shape[0] - part.shape[0]))
+                          for part in read_packed_spans(tensor, ckpt, quant, [rows]))
     else:
         blocks, scales = (read_packed(model.plan, model.shard.tp_rank, tensor, ckpt, quant, part, param.expert)
                           for part in (BLOCKS, SCALES))
@@ -345,7 +350,7 @@ def load_shard(model: torch.nn.Module, folder: str | Path, check: bool = True) -
                 part = getattr(param, "packed", None)
                 rows = getattr(param, "rows", None)  # a vocab-parallel slice, maybe zero-padded
                 spans = getattr(param, "spans", None)  # rows from several parts of a fused tensor
-                if part is None and rows is None and quant.is_int and quant.packed(param.spec, param.expert):
+                if part is None and quant.is_int and quant.packed(param.spec, param.expert):
                     load_int_weight(model, name, param, ckpt, quant)
                     continue
                 if part is not None:

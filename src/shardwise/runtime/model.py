@@ -31,7 +31,6 @@ from shardwise.runtime.deltanet import GatedDeltaNet
 from shardwise.runtime.kda import KimiDeltaAttention
 from shardwise.runtime.layers import (
     ReplicatedLinear,
-    RMSNorm,
     RotaryEmbedding,
     Shard,
     VocabParallelEmbedding,
@@ -43,6 +42,7 @@ from shardwise.runtime.layers import (
 from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE, activation
 from shardwise.runtime.packed_weights import quantization
 from shardwise.runtime.qwen3_5 import GatedAttention, OffsetRMSNorm, build_layer, rotary_dim
+from shardwise.runtime.rms_norm import RMSNorm
 from shardwise.spec.model import EMBEDDING, LM_HEAD, LayerSpec, ModelSpec, TensorSpec
 
 SLOT_MIXERS = (GQAttention, MLAttention, KimiDeltaAttention, GatedDeltaNet, GatedAttention)

@@ -34,7 +34,6 @@ from shardwise.runtime import gemv
 from shardwise.runtime.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
-    RMSNorm,
     RowParallelLinear,
     Shard,
     linear,
@@ -43,6 +42,7 @@ from shardwise.runtime.layers import (
 )
 from shardwise.runtime.mxfp4_matmul import mxfp4_matmul
 from shardwise.runtime.packed_weights import BLOCKS, NONE, SCALES, Quantization, packed_param
+from shardwise.runtime.rms_norm import RMSNorm
 from shardwise.spec.model import MoESpec, TensorSpec
 
 

@@ -15,7 +15,9 @@ Three layouts, detected from ``config.json``'s ``quantization_config``
 - compressed-tensors ``pack-quantized`` (``shardwise.quant.int_codec``): the same names and
   rules, ``weight_packed`` int32 [out, in·bits/32] and ``weight_scale`` [out, in/group] (or
   [out, 1] per channel); every such Linear stays packed in memory and runs through
-  ``runtime.int_matmul`` (the loader swaps it in: ``int_matmul.IntWeight``).
+  ``runtime.int_matmul`` (the loader swaps it in: ``int_matmul.IntWeight``). Here the LM head
+  too, when no ``ignore`` rule keeps it float (``quantize --lm-head``; llama.cpp's Q8_0 / Q4_0
+  files quantize theirs as well).
 
 Routed-expert weights stay packed in memory (4.25 bits per weight) and are decoded per
 use by ``runtime.mxfp4_matmul.mxfp4_matmul``; other quantized Linears (attention, dense MLP,
@@ -51,7 +53,7 @@ from shardwise.quant.layouts import (
 )
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE
 from shardwise.runtime.stored_names import stored_name
-from shardwise.spec.model import MATMUL_GROUPS, ModelSpec, TensorSpec
+from shardwise.spec.model import LM_HEAD, MATMUL_GROUPS, ModelSpec, TensorSpec
 
 BLOCKS, SCALES = "blocks", "scales"
 """The two halves of a packed weight (``param.packed`` of a packed parameter)."""
@@ -110,7 +112,8 @@ class Quantization:
             keep = self.config.get("modules_to_not_convert") or []
             return not any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in keep)
         if self.layout in (LAYOUT_COMPRESSED_TENSORS, LAYOUT_CT_INT):
-            if tensor.group not in MATMUL_GROUPS or len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
+            int_head = self.is_int and tensor.group == LM_HEAD  # an int LM head runs through the int kernel too
+            if not (tensor.group in MATMUL_GROUPS or int_head) or len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
                 return False
             name = tensor.name.format(e=0 if expert is None else expert)
             module = stored_name(self.family, name).removesuffix(".weight")

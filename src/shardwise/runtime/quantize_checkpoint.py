@@ -14,11 +14,13 @@ group of ``group_size`` inputs, bfloat16 scales) and writes ``model.safetensors`
   ``weight_scale`` per Linear) with ``ignore`` rules for what stays float. By default
   every attention, dense-MLP, shared- and routed-expert Linear whose input width is a
   multiple of 32 is quantized; ``experts_only`` keeps all but the routed experts float.
-  Routers, embeddings, the LM head and norms always stay float.
+  Routers, embeddings and norms always stay float, and the LM head unless ``lm_head`` (int formats).
 - int8 / int4: compressed-tensors ``pack-quantized`` (``weight_packed`` int32 + ``weight_scale``
   + ``weight_shape`` per Linear, llm-compressor's W8A16 / W4A16 layout) with the same selection
   and ``ignore`` rules; a Linear whose input width is not a multiple of the group (32 for int8)
-  stays float.
+  stays float. ``lm_head`` quantizes the (untied) LM head in the same scheme too, as llama.cpp's Q8_0 /
+  Q4_0 files do theirs (Q8_0 / Q6_K): at batch 1 the head is one of the largest weights a token reads
+  (32000 x 2048 bfloat16: 131 MB, a third of an int4 2048 x 10 llama's bytes).
 
 Which tensors end up packed is decided once, written into the config, and then read back
 through ``runtime.packed_weights.Quantization`` — the same rules the loader uses — so the file
@@ -171,9 +173,10 @@ def _rule(generic: str) -> str:
 
 
 def _compressed_tensors_config(spec: ModelSpec, experts_only: bool, bits: int | None = None,
-                               group: int | None = None) -> dict[str, Any]:
+                               group: int | None = None, lm_head: bool = False) -> dict[str, Any]:
     """compressed-tensors config, ``mxfp4-pack-quantized`` (``bits`` None) or int ``pack-quantized``
-    (per channel when ``group`` is None); ``ignore`` lists every Linear kept float."""
+    (per channel when ``group`` is None); ``ignore`` lists every Linear kept float (the LM head unless
+    ``lm_head``)."""
     unit = codec.BLOCK_SIZE if bits is None else group or int_codec.GROUP_MULTIPLE
     quantize: dict[str, bool] = {}
     for t in spec.tensors():
@@ -185,7 +188,7 @@ def _compressed_tensors_config(spec: ModelSpec, experts_only: bool, bits: int | 
     by_key: dict[str, list[str]] = {}
     for module in quantize:
         by_key.setdefault(_generic(module), []).append(module)
-    ignore = ["lm_head", r"re:.*mlp\.gate$"]
+    ignore = ([] if lm_head else ["lm_head"]) + [r"re:.*mlp\.gate$"]
     if spec.family == "kimi_linear":  # its router, under the checkpoint's MoE prefix
         ignore.append(r"re:.*block_sparse_moe\.gate$")
     for key, modules in by_key.items():
@@ -217,16 +220,26 @@ def _compressed_tensors_config(spec: ModelSpec, experts_only: bool, bits: int | 
 
 
 def quantization_config(spec: ModelSpec, experts_only: bool = False, fmt: str = "mxfp4",
-                        group_size: int | None = None) -> dict[str, Any]:
+                        group_size: int | None = None, lm_head: bool = False) -> dict[str, Any]:
     """The ``quantization_config`` ``quantize`` writes for ``spec`` in ``fmt`` (gpt-oss layout for
-    gpt_oss MXFP4; ``group_size``: int4 inputs per scale, default 32; int8 is per channel)."""
+    gpt_oss MXFP4; ``group_size``: int4 inputs per scale, default 32; int8 is per channel; ``lm_head``:
+    the LM head quantized too, int formats only)."""
+    if lm_head and fmt not in INT_BITS:
+        raise ShardwiseError(f"--lm-head applies to int8/int4: an {fmt} checkpoint keeps its LM head float, drop --lm-head")
+    if lm_head and spec.tie_word_embeddings:
+        raise ShardwiseError(f"--lm-head: {spec.name}'s LM head is its embedding table (tie_word_embeddings), which "
+                             "stays float: drop --lm-head")
     if fmt in INT_BITS:
         if spec.family == "gpt_oss":
             raise ShardwiseError(f"--format {fmt}: gpt_oss experts are fused tensors the int layout cannot express: use mxfp4")
         group = (group_size or DEFAULT_INT4_GROUP) if fmt == "int4" else group_size
         if group is not None:
             int_codec.check_scheme(INT_BITS[fmt], group, group, "--group-size")
-        return _compressed_tensors_config(spec, experts_only, INT_BITS[fmt], group)
+        unit = group or int_codec.GROUP_MULTIPLE
+        if lm_head and spec.hidden_size % unit:
+            raise ShardwiseError(f"--lm-head: the LM head's {spec.hidden_size} inputs are not a multiple of {unit}: "
+                                 "pick a --group-size that divides them, or drop --lm-head")
+        return _compressed_tensors_config(spec, experts_only, INT_BITS[fmt], group, lm_head)
     if group_size is not None:
         raise ShardwiseError("--group-size applies to int8/int4: MXFP4 blocks are 32 inputs, drop --group-size")
     if spec.family == "gpt_oss":
@@ -275,6 +288,7 @@ def quantize_checkpoint(
     compare: bool = True,
     progress: Callable[[str], None] | None = None,
     group_size: int | None = None,
+    lm_head: bool = False,
 ) -> QuantizeResult:
     """Write an MXFP4 / int8 / int4 copy of float checkpoint ``src`` to ``out``; see the module docstring.
 
@@ -294,7 +308,7 @@ def quantize_checkpoint(
         )
     if spec.moe is None and experts_only:
         raise ShardwiseError(f"--experts-only needs routed experts but {spec.name} is dense: drop --experts-only")
-    qc = quantization_config(spec, experts_only, fmt, group_size)
+    qc = quantization_config(spec, experts_only, fmt, group_size, lm_head)
     config = {**_src_config(src), "quantization_config": qc}
     quant = Quantization(detect_layout(qc), qc, spec.family)
     result = QuantizeResult(out, quant.layout, scale_rounding, qc)

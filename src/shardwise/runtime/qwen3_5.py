@@ -25,7 +25,6 @@ from shardwise.runtime.deltanet import GatedDeltaNet
 from shardwise.runtime.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
-    RMSNorm,
     RowParallelLinear,
     Shard,
     allreduce,
@@ -35,6 +34,7 @@ from shardwise.runtime.layers import (
 )
 from shardwise.runtime.moe import DenseMLP, SparseMoE
 from shardwise.runtime.packed_weights import NONE, Quantization, quantization
+from shardwise.runtime.rms_norm import RMSNorm, rms_norm
 from shardwise.spec.model import LayerSpec, ModelSpec, MoESpec, TensorSpec
 
 FAMILY = "qwen3_5_moe"
@@ -52,9 +52,7 @@ class OffsetRMSNorm(RMSNorm):
     """``((1 + w) · rmsnorm(x.float())).to(dtype)`` (transformers' ``Qwen3_5MoeRMSNorm``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, offset=True)
 
 
 class GatedAttention(nn.Module):

@@ -204,8 +204,11 @@ def _quant_formats(qc: Mapping[str, Any] | None) -> tuple[str | None, dict[str, 
             name = _int_format(qc)
         else:
             raise ShardwiseError(f"quantization_config format '{fmt}' is not supported: use mxfp4, nvfp4 or fp8")
-        ignore = [p[3:] for p in qc.get("ignore", []) if isinstance(p, str) and p.startswith("re:")]
-        formats = {g: name for g, probe in _GROUP_PROBES.items() if not any(re.match(p, probe) for p in ignore)}
+        rules = [p for p in qc.get("ignore", []) if isinstance(p, str)]
+        # an int LM head runs packed (runtime.packed_weights) unless a rule keeps it float: llama.cpp-style files
+        probes = {**_GROUP_PROBES, LM_HEAD: "lm_head"} if name.startswith("int") else _GROUP_PROBES
+        formats = {g: name for g, probe in probes.items()
+                   if not any(re.match(p[3:], probe) if p.startswith("re:") else p == probe for p in rules)}
         return method, formats
     if method == "modelopt":
         return method, _modelopt_formats(qc)
