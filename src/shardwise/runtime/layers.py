@@ -24,7 +24,7 @@ from torch import nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, shard_shape, shard_slice
-from shardwise.runtime import gemv
+from shardwise.runtime import cpp_ops, gemv
 from shardwise.runtime.comm import get_allreduce
 from shardwise.runtime.int_matmul import IntWeight
 from shardwise.spec.model import TensorSpec
@@ -417,8 +417,21 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
+def _compiled_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
+    """``shardwise_rope.rope`` (``csrc/rotary.cpp``: one call instead of seven torch ops, the same bits) for a
+    CPU float32 / bfloat16 ``x [B, H, T, d]`` (cos / sin [T, d/2] or per slot [B, 1, T, d/2]); None where it
+    does not apply or build (the torch expression then runs)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 4 or cos.dtype != x.dtype:
+        return None
+    op = cpp_ops.optional_op("rotary.cpp", "shardwise_rope", "rope")
+    return None if op is None else op(x, cos, sin, interleaved)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + d/2) of ``x [..., T, d]`` (the Llama/"rotate_half" layout)."""
+    out = _compiled_rotary(x, cos, sin, False)
+    if out is not None:
+        return out
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -426,5 +439,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (2i, 2i+1) (DeepSeek's layout); the result comes out
     de-interleaved (evens then odds), exactly as transformers returns it."""
+    out = _compiled_rotary(x, cos, sin, True)
+    if out is not None:
+        return out
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
