@@ -74,12 +74,13 @@ def first_line(exc: BaseException) -> str:
 
 
 def build_dir(source: str) -> Path:
-    """Where this machine's build of ``csrc/<source>`` lives: one folder per source text, CPU flags,
-    Python and torch version (``$TORCH_EXTENSIONS_DIR`` or torch's default root)."""
+    """Where this machine's build of ``csrc/<source>`` lives: one folder per source text (and the headers
+    beside it), CPU flags, Python and torch version (``$TORCH_EXTENSIONS_DIR`` or torch's default root)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     flags = next((line for line in _cpu_info() if line.startswith("flags")), "")
-    key = (_CSRC / source).read_bytes() + f"{flags}|{sys.version}|{torch.__version__}".encode()
+    headers = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.h")))
+    key = (_CSRC / source).read_bytes() + headers + f"{flags}|{sys.version}|{torch.__version__}".encode()
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / f"shardwise_{Path(source).stem}_{hashlib.sha1(key).hexdigest()[:12]}"
 

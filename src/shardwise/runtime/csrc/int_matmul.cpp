@@ -23,6 +23,8 @@
 #include <cstring>
 #include <vector>
 
+#include "dynamic_for.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SHARDWISE_AVX512 1
@@ -372,10 +374,11 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
 }
 #endif
 
-// y[m, r] = dot(r, m) for every output, weight rows split over torch's threads (each row summed by one).
+// y[m, r] = dot(r, m) for every output, weight rows split over torch's threads in chunks of 32 taken from a
+// shared counter (dynamic_for.h; each row summed by one thread).
 template <class Dot>
 void each_output(float* yp, int64_t M, int64_t N, const Dot& dot) {
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+  shardwise::dynamic_for(N, 32, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t m = 0; m < M; ++m) yp[m * N + r] = dot(r, m);
   });

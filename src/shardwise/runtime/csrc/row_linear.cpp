@@ -9,7 +9,8 @@
 // Tiles of up to 4 x rows by 4 weight rows (16 accumulators; a weight block of 4 rows stays in L1 while the
 // x rows of a 64-row chunk pass over it), or, for one x row (decode), 1 x 8: eight weight rows streamed at
 // once (the tile shape changes no output's bits: each output is its own 16-lane chain). Threads split the
-// weight rows (at::parallel_for over the blocks). No software prefetch: one x row against 600 MB of a
+// weight rows (at::parallel_for over the blocks; one x row: chunks of 16 tiles from a shared counter,
+// dynamic_for.h). No software prefetch: one x row against 600 MB of a
 // decoder's shapes cycled in huge pages (runtime.hugepages), on an AMD EPYC (Zen 4) VM, side by side, the
 // same tiles prefetching each row 8 KB ahead read 17.0 / 33.2 GB/s (float32, one / two threads) and 19.4 /
 // 21.2 (bfloat16) against 20.3 / 37.3 and 20.9 / 24.2 without (4 KB pages, float32, two threads: 31.9 vs
@@ -47,6 +48,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <sys/syscall.h>
+
+#include "dynamic_for.h"
 #include <unistd.h>
 
 #include <algorithm>
@@ -61,6 +64,7 @@ namespace {
 constexpr int64_t kWeightRows = 4;   // weight rows per tile
 constexpr int64_t kOneRowWeightRows = 8;  // weight rows per tile when M = 1 (decode): eight streams in flight
 constexpr int64_t kChunkRows = 64;   // x rows passing over one weight block before the next block
+constexpr int64_t kOneRowChunk = 16;  // 1 x 8 tiles a thread takes at a time (dynamic_for.h) when M = 1
 
 // The element types a tile works in: float32 (16 lanes per step, fused multiply-add), and bfloat16 on
 // AVX512-BF16 (32 elements per step, vdpbf16ps: pairs of exact products added into 16 float32 lanes; the
@@ -139,7 +143,7 @@ at::Tensor rows_times(const at::Tensor& x, const at::Tensor& w) {
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   if (M == 1) {
     const int64_t blocks = (N + kOneRowWeightRows - 1) / kOneRowWeightRows;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    shardwise::dynamic_for(blocks, kOneRowChunk, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * kOneRowWeightRows;
         tile<E, 1, kOneRowWeightRows>(xp, wp, yp, K, N, 0, n0, std::min(kOneRowWeightRows, N - n0));
