@@ -220,4 +220,4 @@ class GatedDeltaNet(nn.Module):
             out, state = recurrent_step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0])
             return out[:, None], state, window
 
-        return self.state.run(int(positions[0]), rows, qkv.shape[1], chunked, step)
+        return self.state.run(positions.tolist()[0], rows, qkv.shape[1], chunked, step)

@@ -211,7 +211,7 @@ class KimiDeltaAttention(nn.Module):
             out, state = kda_step(*self._prepare(y[:, :, 0], f[:, i], braw[:, i]), state)
             return out[:, None], state, window
 
-        return self.state.run(int(positions[0]), rows, inputs.shape[-1], chunked, step)
+        return self.state.run(positions.tolist()[0], rows, inputs.shape[-1], chunked, step)
 
     def _gated_norm(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's d_v (float32), times sigmoid(gate), in the run dtype."""
