@@ -374,8 +374,7 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
 }
 #endif
 
-// y[m, r] = dot(r, m) for every output, weight rows split over torch's threads in chunks of 32 taken from a
-// shared counter (dynamic_for.h; each row summed by one thread).
+// y[m, r] = dot(r, m) for every output; threads take 32 weight rows at a time (dynamic_for.h), one sums each.
 template <class Dot>
 void each_output(float* yp, int64_t M, int64_t N, const Dot& dot) {
   shardwise::dynamic_for(N, 32, [&](int64_t r0, int64_t r1) {
