@@ -7,14 +7,16 @@
 // a 16-row GEMM: a one-row call streams the weight once at GEMV speed.
 //
 // Tiles of up to 4 x rows by 4 weight rows (16 accumulators; a weight block of 4 rows stays in L1 while the
-// x rows of a 64-row chunk pass over it), or, for one x row (decode), 1 x 8: eight weight rows streamed at
-// once (the tile shape changes no output's bits: each output is its own 16-lane chain). Threads split the
-// weight rows (at::parallel_for over the blocks; one x row: chunks of 16 tiles from a shared counter,
-// dynamic_for.h). No software prefetch: one x row against 600 MB of a
-// decoder's shapes cycled in huge pages (runtime.hugepages), on an AMD EPYC (Zen 4) VM, side by side, the
-// same tiles prefetching each row 8 KB ahead read 17.0 / 33.2 GB/s (float32, one / two threads) and 19.4 /
-// 21.2 (bfloat16) against 20.3 / 37.3 and 20.9 / 24.2 without (4 KB pages, float32, two threads: 31.9 vs
-// 34.3); four x rows: within 3%. Built only where the compiler targets AVX-512F; elsewhere the library
+// x rows of a 64-row chunk pass over it), or, for one x row (decode), one weight row at a time: each thread
+// streams one run of consecutive rows (the tile shape changes no output's bits: each output is its own
+// 16-lane chain). Threads split the weight rows (at::parallel_for over the blocks; one x row: runs of 64
+// rows from a shared counter, dynamic_for.h). One row at a time against 1 x 8 tiles (eight streams in
+// flight), bfloat16, 600 MB of a decoder's shapes cycled in huge pages, two threads, an AMD EPYC (Zen 4) VM,
+// side by side: median 30.1 vs 27.1 GB/s (sum() of the same memory: 31.6); in a decode step of the 2048x10
+// llama 1.04x (paired rounds 0.93-1.15x); float32 within noise of 1 x 8. No software prefetch: with 1 x 8
+// tiles, the same setup, prefetching each row 8 KB ahead read 17.0 / 33.2 GB/s (float32, one / two threads)
+// and 19.4 / 21.2 (bfloat16) against 20.3 / 37.3 and 20.9 / 24.2 without; one row at a time, 4 KB ahead:
+// within noise of none. Built only where the compiler targets AVX-512F; elsewhere the library
 // registers no op and runtime.exact pads products to whole row blocks instead.
 //
 // linear_bf16: the same contract for bfloat16 x [M, K], w [N, K] -> y [M, N] bfloat16, on Intel AMX. Weights
@@ -38,9 +40,7 @@
 // linear_bf16_dp: the same contract without AMX, on AVX512-BF16 (AMD Zen 4): the float32 kernel's tiles with
 // vdpbf16ps (each output one 16-lane chain over k in ascending 32-wide steps, a masked last step, one
 // fixed-order lane reduction, rounded once to bfloat16, to nearest even). It is also runtime.gemv's one-row
-// bfloat16 product for plain decode (1 x 8 tiles: eight weight rows streamed at once; on an AMD EPYC VM, 400 MB
-// of a decoder's shapes cycled, two threads, eight rows read 20.9-24.9 GB/s against 18.4-22.1 with four) and
-// decode_gemv.cpp's for MoE experts. Elsewhere runtime.exact keeps the padded product for bfloat16.
+// bfloat16 product for plain decode and decode_gemv.cpp's for MoE experts. Elsewhere runtime.exact keeps the padded product for bfloat16.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -62,9 +62,9 @@
 namespace {
 
 constexpr int64_t kWeightRows = 4;   // weight rows per tile
-constexpr int64_t kOneRowWeightRows = 8;  // weight rows per tile when M = 1 (decode): eight streams in flight
+constexpr int64_t kOneRowWeightRows = 1;  // weight rows per tile when M = 1 (decode): one stream per thread
 constexpr int64_t kChunkRows = 64;   // x rows passing over one weight block before the next block
-constexpr int64_t kOneRowChunk = 16;  // 1 x 8 tiles a thread takes at a time (dynamic_for.h) when M = 1
+constexpr int64_t kOneRowChunk = 64;  // weight rows a thread takes at a time (dynamic_for.h) when M = 1
 
 // The element types a tile works in: float32 (16 lanes per step, fused multiply-add), and bfloat16 on
 // AVX512-BF16 (32 elements per step, vdpbf16ps: pairs of exact products added into 16 float32 lanes; the
@@ -132,7 +132,7 @@ void tile(const typename E::T* x, const typename E::T* w, typename E::T* y, int6
 }
 
 // y [M, N] = x [M, K] w [N, K]^T in E's type: tiles over 4-row weight blocks split across threads, 64-row x
-// chunks passing over each block; one x row: 1 x 8 tiles.
+// chunks passing over each block; one x row: one weight row at a time.
 template <class E>
 at::Tensor rows_times(const at::Tensor& x, const at::Tensor& w) {
   using T = typename E::T;
