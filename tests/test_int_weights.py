@@ -252,6 +252,8 @@ def test_kernel_bfloat16_rows_times_4_bit_weights(group, scale_dtype):
         assert y.dtype == torch.float32
         exact = x.double() @ weight.T
         torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+        # out_dtype: the same float32 sums rounded once to bfloat16 in the kernel, as Tensor.to rounds them
+        assert torch.equal(kernel()(x, q, scale, 4, group, torch.bfloat16), y.to(torch.bfloat16))
         for i in range(5):
             assert torch.equal(kernel()(x[i : i + 1], q, scale, 4, group), y[i : i + 1]), (group, width, i)
 
@@ -380,6 +382,7 @@ def test_kernel_bfloat16_rows_times_8_bit_weights(width, group, scale_dtype):
     assert y.dtype == torch.float32
     bound = 1e-6 * (x.double().abs() @ weight.abs().T)  # float32 sums of exact products
     assert bool(((y.double() - x.double() @ weight.T).abs() <= bound).all())
+    assert torch.equal(kernel()(x, q, scale, 8, group, torch.bfloat16), y.to(torch.bfloat16))
     assert bool(((y - kernel()(x.float(), q, scale, 8, group)).double().abs() <= 2 * bound).all())
     for i in range(5):
         assert torch.equal(kernel()(x[i : i + 1], q, scale, 8, group), y[i : i + 1]), (width, group, i)

@@ -34,6 +34,7 @@ from shardwise.runtime.layers import (
     Shard,
     apply_rotary,
     apply_rotary_interleaved,
+    linear,
     project_inputs,
     shard_param,
 )
@@ -244,6 +245,11 @@ class GQAttention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, hidden] at ``positions`` [T] in cache rows 0..B-1, or, with ``slots``, at
         ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, d/2])."""
+        step = self._one_token_step(x, rope, slots)
+        if step is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+            qkv = linear(x, self.stack.weight)
+            return self.o_proj(step(qkv, *rope, self.k_cache, self.v_cache, positions, self.heads, self.scaling, *norms))
         b, n, _ = x.shape
         q, k, v = project_inputs(self, x)
         q = q.view(b, n, self.heads, self.head_dim)
@@ -257,6 +263,24 @@ class GQAttention(nn.Module):
         if slots is None:
             return self.o_proj(self._cached(q, k, v, positions, slice(0, b)))
         return self.o_proj(per_slot(self._cached, slots, positions, q, k, v))
+
+    def _one_token_step(self, x: torch.Tensor, rope, slots: list[int] | None):
+        """``shardwise_attn.step`` (``csrc/decode_attention.cpp``: the rest of this forward after the stacked
+        q|k|v product, in one call, with the same ops and bits) where it applies: one token per row of full
+        attention on the CPU in float32 / bfloat16, q|k|v stacked, full-width rotary tables, no sinks, the
+        Llama form of any q/k norms; and the norm, rotary and attention ops all built here. Else None."""
+        if (slots is not None or x.shape[1] != 1 or self.window is not None or self.sinks is not None
+                or getattr(self, "stack", None) is None or x.device.type != "cpu" or x.dtype != self.k_cache.dtype
+                or x.dtype not in (torch.float32, torch.bfloat16) or rope[0].dim() != 2
+                or 2 * rope[0].shape[-1] != self.head_dim or rope[0].dtype != x.dtype):
+            return None
+        if self.q_norm is not None and (self.q_norm.cast_after_weight or self.k_norm.cast_after_weight
+                                        or self.q_norm.eps != self.k_norm.eps
+                                        or cpp_ops.optional_op("rms_norm.cpp", "shardwise_norm", "rms_norm") is None):
+            return None
+        if cpp_ops.optional_op("rotary.cpp", "shardwise_rope", "rope") is None:
+            return None
+        return cpp_ops.optional_op("decode_attention.cpp", "shardwise_attn", "step")
 
     def _cached(self, q, k, v, positions: torch.Tensor, rows: slice) -> torch.Tensor:
         """Write k, v [b, kv, T, d] at ``positions`` [T] into cache rows ``rows`` and attend

@@ -115,6 +115,8 @@ class IntWeight(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         rows = (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()  # the kernel reads both
+        if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
+            return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype).view(*x.shape[:-1], self.q.shape[0])
         y = kernel()(rows, self.q, self.scale, self.bits, self.group)
         return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
 

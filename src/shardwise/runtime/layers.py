@@ -71,7 +71,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel. Under ``exact.row_blocked()`` every product stays ``F.linear`` (made row-invariant there).
     """
     if isinstance(weight, IntWeight):  # weight-only int8/int4, packed in memory (runtime.int_matmul)
-        y = weight(x)
+        y = weight.forward(x)  # a plain call: no module hooks are ever set on it
         return y if bias is None else y + bias
     if bias is None and x.numel() == x.shape[-1] and x.dtype == weight.dtype and gemv.applies(x):
         return gemv.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])

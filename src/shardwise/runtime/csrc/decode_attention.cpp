@@ -17,8 +17,17 @@
 // Threads split (batch row, KV head, 256-key block) for the scores and (batch row, KV head, 16 value
 // lanes) for the outputs; each KV head's keys and values are read from memory once for all g of its query
 // heads (a block of 256 rows stays in cache while blocks of 8 heads pass over it).
+// Problems under kInlineWork multiply-adds run on the calling thread (waking the pool costs more than them).
+//
+// step: one decode step of grouped-query full attention in one call, for a token per row: qkv [B, 1, (H + 2 KV)
+// d] (the stacked q|k|v product) split into views; q and k through the optional q / k RMSNorms
+// (shardwise_norm::rms_norm) and rotate-half rotary (shardwise_rope::rope, cos / sin [1, d/2]), both looked up
+// in the dispatcher (runtime.attention loads their libraries first); k and v written at `position` into cache
+// rows 0..B-1 of k_cache / v_cache [max_batch, KV, S, d]; then decode over keys 0..position. The ops and order
+// of runtime.attention's GQAttention path, so the same bits, without its ~12 Python-level torch calls.
 // Built only where the compiler targets AVX-512F and BW; elsewhere no op is registered (SDPA runs).
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -35,6 +44,7 @@ namespace {
 
 constexpr int64_t kKeyBlock = 256;  // keys per scoring task
 constexpr int64_t kHeads = 8;       // query heads sharing one pass over a KV head's rows (accumulators)
+constexpr int64_t kInlineWork = 1 << 17;  // multiply-adds (B H L dk) below which one thread runs a call
 
 // 16 elements from p as float32 (the first `n` of them; the rest zero).
 inline __m512 load16(const float* p, int64_t n) {
@@ -60,7 +70,8 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   float* sp = scores.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t blocks = (L + kKeyBlock - 1) / kKeyBlock;
-  at::parallel_for(0, B * KV * blocks, 1, [&](int64_t t0, int64_t t1) {
+  const bool inline_call = B * H * L * std::max(dk, dv) < kInlineWork;  // which thread sums a value changes no bit
+  at::parallel_for(0, B * KV * blocks, inline_call ? B * KV * blocks : 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (KV * blocks), kvh = t / blocks % KV, j0 = t % blocks * kKeyBlock;
       for (int64_t h0 = 0; h0 < g; h0 += kHeads) {
@@ -84,7 +95,7 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   at::Tensor out = at::empty({B, 1, H * dv}, q.options());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t lanes = (dv + 15) / 16;
-  at::parallel_for(0, B * KV * lanes, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, B * KV * lanes, inline_call ? B * KV * lanes : 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (KV * lanes), kvh = t / lanes % KV, e = t % lanes * 16, width = std::min<int64_t>(16, dv - e);
       std::vector<float> sums(g * 16, 0.f);  // each query head's 16 output lanes, carried across key blocks
@@ -124,9 +135,46 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return attend_rows<c10::BFloat16>(q, k, v, scale);
 }
 
+template <class Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// x [B, 1, n, d] through shardwise_norm::rms_norm (Llama form) when `weight` is given, as [B, n, 1, d].
+at::Tensor normed_heads(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
+  if (!weight.has_value()) return x.transpose(1, 2);
+  static const auto norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool, bool)>("shardwise_norm::rms_norm");
+  return norm.call(x, *weight, eps, false, false).transpose(1, 2);
+}
+
+at::Tensor step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                at::Tensor& v_cache, const at::Tensor& position, int64_t heads, double scale,
+                const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
+  const int64_t B = qkv.size(0), KV = k_cache.size(1), S = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == (heads + 2 * KV) * d && qkv.is_contiguous(),
+              "qkv must be contiguous [B, 1, (heads + 2 kv) d]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && B <= k_cache.size(0), "caches must be [max_batch >= B, kv, S, d] alike");
+  TORCH_CHECK(position.scalar_type() == at::kLong && position.numel() == 1 && position.device().is_cpu(),
+              "position must be one int64 on the CPU");
+  const int64_t p = position.data_ptr<int64_t>()[0];
+  TORCH_CHECK(p >= 0 && p < S, "position ", p, " is outside the cache of ", S);
+  static const auto rope = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>("shardwise_rope::rope");
+  const at::Tensor q = rope.call(normed_heads(qkv.narrow(2, 0, heads * d).view({B, 1, heads, d}), q_norm, eps), cos, sin, false);
+  const at::Tensor k = rope.call(normed_heads(qkv.narrow(2, heads * d, KV * d).view({B, 1, KV, d}), k_norm, eps), cos, sin, false);
+  const at::Tensor v = qkv.narrow(2, (heads + KV) * d, KV * d).view({B, 1, KV, d}).transpose(1, 2);
+  at::Tensor keys = k_cache.narrow(0, 0, B), values = v_cache.narrow(0, 0, B);
+  keys.narrow(2, p, 1).copy_(k);
+  values.narrow(2, p, 1).copy_(v);
+  return decode(q, keys.narrow(2, 0, p + 1), values.narrow(2, 0, p + 1), scale);
+}
+
 }  // namespace
 
-TORCH_LIBRARY(shardwise_attn, m) { m.def("decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &decode); }
+TORCH_LIBRARY(shardwise_attn, m) {
+  m.def("decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &decode);
+  m.def("step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor position, int heads, "
+        "float scale, Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor", &step);
+}
 #else
 TORCH_LIBRARY(shardwise_attn, m) {}
 #endif

@@ -7,13 +7,13 @@
 //   bits 4: q uint8 [N, K/2], element 2j in the low nibble of byte j, 2j+1 in the high one,
 //           each stored unsigned with offset 8 (value = nibble - 8).
 // scale [N, K/group] float32 or bfloat16; x float32 or bfloat16 [M, K] (bfloat16 rows take vdpbf16ps where the
-// CPU has it, otherwise rows are widened to float32); group a multiple of 32
-// dividing K, or (8 bits, per channel) the whole row of any width, whose last K % 32 products are summed
-// one by one.
+// CPU has it, otherwise rows are widened to float32); group a multiple of 32 dividing K, or (8 bits, per
+// channel) the whole row of any width, whose last K % 32 products are summed one by one. y float32, or
+// (out_dtype) bfloat16: the float32 sum rounded once, to nearest even.
 //
-// Every row is summed in one fixed order (32 lanes per group, a group's sum times its scale added
-// to 32 row lanes, then a fixed-order reduction of the lanes), whatever M and whichever rows share
-// a call: results are bit-identical between a one-row decode step and a k+1-row verify pass.
+// Every row is summed in one fixed order (32 lanes per group, a group's sum times its scale added to 32 row
+// lanes, then a fixed-order reduction of the lanes), whatever M and whichever rows share a call: results are
+// bit-identical between a one-row decode step and a k+1-row verify pass.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -35,10 +35,9 @@
 
 namespace {
 
-// How far ahead of its reads a thread asks for weight bytes (_mm_prefetch, one cache line per 128
-// weights): a decode step streams every weight from memory once, and the hardware prefetcher alone
-// keeps too few lines in flight. Measured here (185 MB of int8 rows, two threads): 11-13 GB/s without,
-// 16.0 / 17.3 / 19.3 / 18.0 GB/s at 1, 2, 4 and 8 KB ahead; int4 8 -> 11 GB/s (its unpacking bounds it).
+// How far ahead of its reads a thread asks for weight bytes (_mm_prefetch, one line per 128 weights). Measured
+// (185 MB of int8 rows, two threads, a Xeon VM): 11-13 GB/s without, 16.0 / 17.3 / 19.3 / 18.0 GB/s at 1, 2, 4
+// and 8 KB ahead; int4 on an AMD EPYC VM: 23 GB/s without, 24-27 at 1-16 KB ahead (within noise of each other).
 constexpr int64_t kPrefetchBytes = 4096;
 
 inline float scale_at(const void* s, bool bf16, int64_t i) {
@@ -219,14 +218,10 @@ float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, 
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-// int8 weights against a bfloat16 row (a bfloat16 model's activations): each weight splits exactly into its
-// signed high nibble h (-8..7) and unsigned low nibble l (0..15), q = 16 h + l, both exact in bfloat16, so
-// vdpbf16ps multiplies 32 of each by x per instruction with exact products (no float conversion of the
-// weights: the float32 path's widening and conversion bound it). A nibble becomes bfloat16 through one table
-// lookup (bf16_table). A group's sum is
-// 16 * (sum of h x) + (sum of l x), times its scale; per-channel rows whose width is not a multiple of 32
-// sum their last K % 32 products one by one. Measured (two threads, 300 MB of int8 weights of a decoder's
-// shapes cycled, an AMD EPYC VM): 23 GB/s against 12-15 for the float32 path with the row widened.
+// int8 weights against a bfloat16 row: each weight splits exactly into its signed high nibble h (-8..7) and
+// unsigned low nibble l (0..15), q = 16 h + l, each one table lookup to bfloat16 (bf16_table), so vdpbf16ps
+// multiplies 32 of each by x per instruction, products exact. A group's sum is 16 * (sum of h x) + (sum of
+// l x), times its scale; per-channel rows whose width is not a multiple of 32 sum their last K % 32 one by one.
 const __m512i kLowBf16 = bf16_table([](int n) { return float(n); });            // unsigned low nibble
 const __m512i kHighBf16 = bf16_table([](int n) { return float((n ^ 8) - 8); });  // signed high nibble
 
@@ -374,16 +369,23 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
 }
 #endif
 
-// y[m, r] = dot(r, m) for every output; threads take 32 weight rows at a time (dynamic_for.h), one sums each.
-template <class Dot>
-void each_output(float* yp, int64_t M, int64_t N, const Dot& dot) {
+// y[m, r] = dot(r, m) for every output, float32 or rounded once to bfloat16 (to nearest even, as Tensor.to
+// rounds); threads take 32 weight rows at a time (dynamic_for.h), one sums each.
+template <class T, class Dot>
+void each_output_as(T* yp, int64_t M, int64_t N, const Dot& dot) {
   shardwise::dynamic_for(N, 32, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t m = 0; m < M; ++m) yp[m * N + r] = dot(r, m);
+      for (int64_t m = 0; m < M; ++m) yp[m * N + r] = T(dot(r, m));
   });
 }
+template <class Dot>
+void each_output(const at::Tensor& y, int64_t M, int64_t N, const Dot& dot) {
+  if (y.scalar_type() == at::kBFloat16) return each_output_as(y.data_ptr<at::BFloat16>(), M, N, dot);
+  each_output_as(y.data_ptr<float>(), M, N, dot);
+}
 
-at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group) {
+at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group,
+                      std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scale.dim() == 2 && scale.is_contiguous(), "q and scale must be contiguous 2-D");
@@ -397,10 +399,10 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   } else {
     TORCH_CHECK(bits == 4 && q.scalar_type() == at::kByte && q.size(1) == K / 2, "4-bit q must be uint8 [N, K / 2]");
   }
-  auto y = at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  auto y = at::empty({M, N}, x_in.options().dtype(out_dtype.value_or(at::kFloat)));
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "out_dtype must be float32 or bfloat16");
   const bool bf16 = scale.scalar_type() == at::kBFloat16;
   const void* sp = scale.data_ptr();
-  float* yp = y.data_ptr<float>();
   const int64_t G = K / group;
 #if defined(SHARDWISE_BF16_DOT)
   if (bits == 4 && x_in.scalar_type() == at::kBFloat16 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0)) {
@@ -410,17 +412,15 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       for (int r = 0; r < 4; ++r)
         for (int l = 0; l < 32; ++l) perm[i + 32 * r + l] = xs[i + 4 * l + r];
     const uint8_t* qp = q.data_ptr<uint8_t>();
-    each_output(yp, M, N, [&](int64_t r, int64_t m) {
+    each_output(y, M, N, [&](int64_t r, int64_t m) {
       return dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, bf16, r * G);
     });
     return y;
   }
-#endif
-#if defined(SHARDWISE_BF16_DOT)
   if (bits == 8 && x_in.scalar_type() == at::kBFloat16) {  // any group (dot8_bf16 sums a group's tail alone)
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
     const int8_t* qp = q.data_ptr<int8_t>();
-    each_output(yp, M, N, [&](int64_t r, int64_t m) { return dot8_bf16(qp + r * K, xs + m * K, K, group, sp, bf16, r * G); });
+    each_output(y, M, N, [&](int64_t r, int64_t m) { return dot8_bf16(qp + r * K, xs + m * K, K, group, sp, bf16, r * G); });
     return y;
   }
 #endif
@@ -436,7 +436,7 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       }
     xs = perm.data();
   }
-  each_output(yp, M, N, [&](int64_t r, int64_t m) {
+  each_output(y, M, N, [&](int64_t r, int64_t m) {
     return bits == 8 ? dot8(q.data_ptr<int8_t>() + r * K, xs + m * K, K, group, sp, bf16, r * G)
                      : dot4(q.data_ptr<uint8_t>() + r * (K / 2), xs + m * K, K, group, sp, bf16, r * G);
   });
@@ -446,5 +446,5 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(shardwise_int, m) {
-  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group) -> Tensor", &int_matmul);
+  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None) -> Tensor", &int_matmul);
 }
