@@ -232,6 +232,36 @@ def test_kernel_rows_do_not_depend_on_the_batch(ckpts):
         assert torch.allclose(weight(x).double(), exact, rtol=1e-5, atol=1e-5)
 
 
+def test_many_rows_run_as_gemms_over_dequantized_blocks(ckpts, monkeypatch):
+    """A pass of GEMM_ROWS rows or more (a prefill) multiplies blocks of the dequantized weight (every value q
+    times its scale, as ``dequantized`` holds it; bfloat16 blocks for bfloat16 rows): within float32 rounding
+    of the exact product for float32 rows, in several blocks; under ``exact.row_blocked()`` it keeps the
+    row-invariant kernel (each row's bits alone)."""
+    from shardwise.runtime import int_matmul
+    from shardwise.runtime.exact import row_blocked
+
+    monkeypatch.setattr(int_matmul, "BLOCK_ELEMENTS", 64 * 64)  # several blocks and a short last one
+    for key in ("llama_int8", "llama_int4"):
+        weight = _model(ckpts[key]).model.layers[0].mlp.gate_proj.weight
+        dq = int_matmul.cpp_ops.optional_op("int_dequantize.cpp", "shardwise_intdq", "int_dequantize")
+        whole = dq(weight.q, weight.scale, weight.bits, weight.group, 0, weight.q.shape[0], torch.float32)
+        assert torch.equal(whole, weight.dequantized())
+        assert torch.equal(dq(weight.q, weight.scale, weight.bits, weight.group, 3, 5, torch.bfloat16), whole[3:8].bfloat16())
+        x = torch.randn(int_matmul.GEMM_ROWS + 3, weight.in_features)
+        exact = x.double() @ weight.dequantized().double().T
+        many = weight(x)
+        torch.testing.assert_close(many.double(), exact, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(many[:1], weight(x[:1]))  # not the kernel's bits: the GEMM ran
+        with row_blocked():
+            blocked = weight(x)
+        assert all(torch.equal(blocked[i : i + 1], weight(x[i : i + 1])) for i in range(x.shape[0]))
+        many_bf16 = weight(x.bfloat16())
+        assert many_bf16.dtype == torch.bfloat16
+        xb, w = x.bfloat16().double(), weight.dequantized().double()
+        bound = 2 ** -8 * (xb.abs() @ w.abs().T)  # each weight and the output rounded once to bfloat16
+        assert bool(((many_bf16.double() - xb @ w.T).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("group", [32, 64, 128, 384])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_kernel_bfloat16_rows_times_4_bit_weights(group, scale_dtype):
