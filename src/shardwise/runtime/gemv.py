@@ -17,8 +17,8 @@ rounding of F.linear's (bfloat16: one bfloat16 step away for an element now and 
 (``experts_kernel``) through the same products (float32: the chosen one).
 
 The choice is measured once per machine, dtype and thread count, the first time a process needs it
-(~0.5 s: both candidates over 512 MB of weights — more than any L3 — best of three alternating
-rounds) and kept in a JSON file beside the kernel's build (``cpp_ops.build_dir``), under a lock so
+(~0.5 s: the candidates taking turns weight by weight over 512 MB of weights — more than any L3 — best
+of four rounds) and kept in a JSON file beside the kernel's build (``cpp_ops.build_dir``), under a lock so
 ranks starting together measure once. ``SHARDWISE_GEMV=torch`` or ``=kernel`` overrides it.
 """
 
@@ -70,10 +70,13 @@ def _candidate(dtype: torch.dtype) -> Callable | None:
     return None if op is None else (lambda weight, x: op(x.view(1, -1), weight).view(-1))
 
 
-def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, rounds: int = 3) -> dict[str, float]:
-    """GB/s of weight bytes that ``torch.mv`` and ``kernel(weight, x)`` stream for one row of ``dtype``,
-    best of ``rounds`` alternating rounds over ``nbytes`` of weights shaped as ``MEASURE_SHAPES``, held in
-    huge pages where the host gives them (as the loader holds a model's)."""
+def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
+    """GB/s of weight bytes that ``torch.mv`` and ``kernel(weight, x)`` stream for one row of ``dtype``, best of
+    ``rounds`` over ``nbytes`` of weights shaped as ``MEASURE_SHAPES``, held in huge pages where the host gives
+    them (as the loader holds a model's). Within a round the candidates take turns weight by weight (each on
+    its own weights, none read from cache; the next round swaps them), so a noisy neighbour's burst slows
+    both alike: with whole rounds alternating, one taken while the CPU was busy once stored torch.mv as the
+    choice at half the kernel's speed."""
     size = torch.empty(0, dtype=dtype).element_size()
     shapes = MEASURE_SHAPES * -(-nbytes // (size * sum(r * c for r, c in MEASURE_SHAPES)))
     total = size * sum(r * c for r, c in shapes)
@@ -85,13 +88,18 @@ def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, r
         weights.append(memory[start : start + rows * cols * size].view(dtype).view(rows, cols).fill_(0.5))  # mapped
         start += rows * cols * size
     xs = {k: torch.full((k,), 0.01, dtype=dtype) for k in {s[1] for s in MEASURE_SHAPES}}
+    candidates = (("torch_mv", torch.mv), ("kernel", kernel))
     best = {"torch_mv": 0.0, "kernel": 0.0}
-    for _ in range(rounds):
-        for name, fn in (("torch_mv", torch.mv), ("kernel", kernel)):
+    for r in range(rounds):
+        spent, moved = {"torch_mv": 0.0, "kernel": 0.0}, {"torch_mv": 0, "kernel": 0}
+        for i, w in enumerate(weights):
+            name, fn = candidates[(i + r) % 2]
             start = time.perf_counter()
-            for w in weights:
-                fn(w, xs[w.shape[1]])
-            best[name] = max(best[name], total / (time.perf_counter() - start) / 1e9)
+            fn(w, xs[w.shape[1]])
+            spent[name] += time.perf_counter() - start
+            moved[name] += w.numel() * size
+        for name in best:
+            best[name] = max(best[name], moved[name] / spent[name] / 1e9)
     return best
 
 
