@@ -13,7 +13,8 @@
 // rows from a shared counter, dynamic_for.h). One row at a time against 1 x 8 tiles (eight streams in
 // flight), bfloat16, 600 MB of a decoder's shapes cycled in huge pages, two threads, an AMD EPYC (Zen 4) VM,
 // side by side: median 30.1 vs 27.1 GB/s (sum() of the same memory: 31.6); in a decode step of the 2048x10
-// llama 1.04x (paired rounds 0.93-1.15x); float32 within noise of 1 x 8. No software prefetch: with 1 x 8
+// llama within noise (paired rounds in one process 0.93-1.15x, median 1.04x; processes alternated: 26.0-27.6
+// vs 25.0-27.5 tok/s); float32 within noise of 1 x 8. No software prefetch: with 1 x 8
 // tiles, the same setup, prefetching each row 8 KB ahead read 17.0 / 33.2 GB/s (float32, one / two threads)
 // and 19.4 / 21.2 (bfloat16) against 20.3 / 37.3 and 20.9 / 24.2 without; one row at a time, 4 KB ahead:
 // within noise of none. Built only where the compiler targets AVX-512F; elsewhere the library
