@@ -145,3 +145,17 @@ def test_cli_make_checkpoint(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     proc = run_cli("make-checkpoint", "--model", "deepseek-v2-lite", "--out", str(tmp_path / "v2"))
     assert proc.returncode == 2 and "make-checkpoint supports" in proc.stderr
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b-v0.1"])
+def test_llama_variants_make_checkpoint_and_run_at_tp2(tmp_path, model):
+    """The dense llama variants (qwen2: q/k/v biases, qwen3: q/k norms, mistral: sliding window) from their
+    bundled configs: make-checkpoint writes one and ``run --tp 2`` gives the tokens a one-process model gives
+    (their logits against transformers: test_runtime_model)."""
+    out = tmp_path / model
+    proc = run_cli("make-checkpoint", "--model", model, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("run", str(out), "--tp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["tokens"] == generate(_model(out), [1, 2, 3], 8).tokens

@@ -1,6 +1,7 @@
 """The sharded runtime against transformers: logits, greedy generations and bytes per rank.
 
-Four small models (llama, qwen3_moe, deepseek_v3, gpt_oss) are built with transformers in
+Small models (llama; its dense variants qwen2 with q/k/v biases, qwen3 with q/k norms, mistral with a
+sliding window; qwen3_moe, deepseek_v3, gpt_oss) are built with transformers in
 float32 with every weight randomised (biases, sinks and the correction bias included), saved
 with ``save_pretrained`` and run by shardwise at tp = 1 (in process) and tp = 2, 4 (real
 processes over gloo, all models in one launch per world size).
@@ -31,6 +32,12 @@ def _configs():
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
         ),
+        "qwen2": transformers.Qwen2Config(
+            **common, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=2),
+        "qwen3": transformers.Qwen3Config(
+            **common, num_key_value_heads=2, head_dim=16, intermediate_size=96, num_hidden_layers=2),
+        "mistral": transformers.MistralConfig(
+            **common, num_key_value_heads=2, head_dim=16, intermediate_size=96, num_hidden_layers=2, sliding_window=5),
         "qwen3_moe": transformers.Qwen3MoeConfig(
             **common, num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
             num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
@@ -107,7 +114,7 @@ def test_tp1_matches_transformers(models):
 def test_tp_matches_transformers(models, tp):
     cases = []
     for key, m in models.items():
-        moe = key != "llama"
+        moe = key not in ("llama", "qwen2", "qwen3", "mistral")
         cases.append((key, m["folder"], tp, tp if moe else 1))
         if key in ("qwen3_moe", "gpt_oss") and tp == 4:  # each expert split over 2 ranks (etp 2)
             cases.append((key, m["folder"], tp, 2))

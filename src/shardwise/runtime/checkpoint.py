@@ -169,9 +169,10 @@ def shrink_config(config: dict[str, Any], scale: str = "tiny") -> dict[str, Any]
     elif kind == "gpt_oss":
         cfg.update(num_local_experts=8, num_experts_per_tok=2, experts_per_token=2, intermediate_size=32,
                    sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-    elif kind != "llama":
+    elif kind not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ShardwiseError(
-            f"make-checkpoint supports llama, qwen3_moe, deepseek_v3 / kimi_k2, gpt_oss, kimi_linear and qwen3_5_moe models, "
+            "make-checkpoint supports llama (and mistral, qwen2, qwen3), qwen3_moe, deepseek_v3 / kimi_k2, gpt_oss, "
+            f"kimi_linear and qwen3_5_moe models, "
             f"not '{kind}'"
         )
     return cfg

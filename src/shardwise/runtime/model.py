@@ -48,7 +48,7 @@ from shardwise.spec.model import EMBEDDING, LM_HEAD, LayerSpec, ModelSpec, Tenso
 SLOT_MIXERS = (GQAttention, MLAttention, KimiDeltaAttention, GatedDeltaNet, GatedAttention)
 """Mixers that take per-row cache slots and positions (``ShardedCausalLM.forward(ids, start, slots)``)."""
 
-RUNTIME_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_linear", "qwen3_5_moe")
+RUNTIME_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_linear", "qwen3_5_moe")
 
 
 def kimi_unsupported(cfg) -> list[str]:
@@ -111,7 +111,7 @@ def check_runnable(spec: ModelSpec, plan: ParallelPlan) -> None:
     if spec.family not in RUNTIME_FAMILIES:
         raise ShardwiseError(
             f"model_type '{spec.model_type}' can be planned but not run: the runtime runs "
-            "llama, qwen3_moe, deepseek_v3 / kimi_k2, gpt_oss, kimi_linear and qwen3_5_moe"
+            "llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v3 / kimi_k2, gpt_oss, kimi_linear and qwen3_5_moe"
         )
     if plan.pp != 1:
         raise ShardwiseError(f"--pp {plan.pp}: the runtime does not run pipeline stages yet, use --pp 1")
