@@ -231,9 +231,9 @@ def shardwise_profile(folder: Path, prompt: list[int], tokens: int, threads: int
         patches.append((owner, attr, original))
 
     op = linear_state.fused_step(torch.device("cpu"))
-    if op is not None:  # conv and recurrence are one compiled call (the torch functions below then idle)
+    if op is not None:  # gates, conv and recurrence are one compiled call (the torch functions below then idle)
         holder = SimpleNamespace(op=op)
-        wrap(holder, "op", "compiled step (conv + recurrence)")
+        wrap(holder, "op", "compiled step (gates, conv + recurrence)")
         for owner in (deltanet, kda):
             patches.append((owner, "fused_step", getattr(owner, "fused_step")))
             owner.fused_step = lambda device: holder.op

@@ -212,8 +212,7 @@ class GatedDeltaNet(nn.Module):
             op = fused_step(qkv.device)
             if op is not None:  # the same step in one compiled call
                 out, window = op(qkv[:, i].contiguous(), window.contiguous(), self.conv1d.weight[:, 0].contiguous(),
-                                 self._log_decay(a[:, i]).contiguous(), b[:, i].sigmoid().float().contiguous(), state, self.k_heads,
-                                 self.dk**-0.5)
+                                 a[:, i], b[:, i], state, self.k_heads, self.dk**-0.5, self.A_log, self.dt_bias, None, True)
                 return out[:, None], state, window
             y, window = self._conv(qkv[:, i : i + 1], window)
             q, k, v, g, beta = self._inputs(y, a[:, i : i + 1], b[:, i : i + 1])

@@ -202,10 +202,8 @@ class KimiDeltaAttention(nn.Module):
         def step(i, state, window):  # decode / verify: position i exactly as a single-token step
             op = fused_step(inputs.device)
             if op is not None:  # the same step in one compiled call
-                g = log_decay(f[:, i], self.A_log, self.dt_bias, self.head_dim, self.lower_bound)
-                out, window = op(inputs[:, :, i].contiguous(), window.contiguous(), weight, g.contiguous(),
-                                 torch.sigmoid(braw[:, i]).float().contiguous(), state, self.heads,
-                                 self.head_dim**-0.5)
+                out, window = op(inputs[:, :, i].contiguous(), window.contiguous(), weight, f[:, i], braw[:, i],
+                                 state, self.heads, self.head_dim**-0.5, self.A_log, self.dt_bias, self.lower_bound)
                 return out[:, None], state, window
             y, window = causal_conv(inputs[:, :, i : i + 1], window, weight)
             out, state = kda_step(*self._prepare(y[:, :, 0], f[:, i], braw[:, i]), state)

@@ -176,7 +176,9 @@ def fused_step(device: torch.device):
     """The compiled ``shardwise_la.gated_delta_step`` (``csrc/linear_attention.cpp``): one position of a
     gated delta-rule layer — short conv, SiLU, L2 norms, decay and delta rule — in one call, ``(x [B, C],
     window [B, C, K-1], conv weight [C, K], log-decay g [B, H] or [B, H, d_k], beta [B, H], state,
-    key_heads, q scale) -> (o [B, H, d_v] float32, new window)``, the state updated in place. In torch
+    key_heads, q scale[, a_log, dt_bias, lower_bound, log1p]) -> (o [B, H, d_v] float32, new window)``, the
+    state updated in place; with ``a_log`` given, g and beta are the raw projections and the op forms the
+    gates itself (the layers' ``log_decay`` / softplus and sigmoid). In torch
     ops the same step is ~50 small kernels per layer and token, whose dispatch cost more than their
     bytes. None when ``FUSED`` is off or the op cannot be built here (no C++ compiler): the torch ops
     (``causal_conv``, ``delta_rule_step``) run each step instead, to the same results within float32

@@ -12,6 +12,13 @@
 //          S <- diag(exp g) S      g [d_k] per channel (KDA) or one value per head (Gated DeltaNet)
 //          S <- S + k (beta (v - S^T k))^T;   o = S^T q
 //
+// With `a_log` the call also forms the gates from the projections, as the layers' torch code does (float32):
+//   g = -exp(a_log[h]) * softplus(g_raw + dt_bias)  softplus(t) = t past 20, else log1p(exp(t)) (`log1p`:
+//       Gated DeltaNet's F.softplus) or log(1 + exp(t)) (KDA's expression); with `lower_bound` (K3's safe gate)
+//       g = lower_bound * sigmoid(exp(a_log[h]) * (g_raw + dt_bias));
+//   beta = sigmoid(beta_raw) in the run dtype (rounded to it, as torch's sigmoid of a run-dtype tensor).
+// That replaces ~10 more small torch ops per layer and token.
+//
 // Every head is computed in one fixed order whatever B and whichever rows share a call, so a k+1-position
 // verify pass equals k+1 single steps bit for bit (each position is its own call).
 #include <ATen/core/Tensor.h>
@@ -90,13 +97,50 @@ void delta_head(float* __restrict S, const float* __restrict q, const float* __r
   }
 }
 
+// (g, beta) float32 [B, H(, d_k)] / [B, H] from the raw projections (see the header).
+std::tuple<at::Tensor, at::Tensor> gates(const at::Tensor& g_raw, const at::Tensor& beta_raw, const at::Tensor& a_log,
+                                         const at::Tensor& dt_bias, std::optional<double> lower_bound, bool log1p,
+                                         int64_t B, int64_t H) {
+  const at::Tensor raw = g_raw.to(at::kFloat).contiguous().view({B, H, -1});
+  const int64_t per = raw.size(2);
+  const at::Tensor bias = dt_bias.to(at::kFloat).contiguous().view({-1});
+  const at::Tensor alog = a_log.to(at::kFloat).contiguous().view({-1});
+  TORCH_CHECK(bias.numel() == H * per && alog.numel() == H, "dt_bias must hold H (x d_k) values and a_log H");
+  at::Tensor g = at::empty({B, H, per}, raw.options());
+  const float* rp = raw.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  const float* ap = alog.data_ptr<float>();
+  float* gp = g.data_ptr<float>();
+  for (int64_t i = 0; i < B * H * per; ++i) {
+    const float a = std::exp(ap[i / per % H]), t = rp[i] + bp[i % (H * per)];
+    if (lower_bound.has_value()) {
+      gp[i] = static_cast<float>(*lower_bound) * (1.f / (1.f + std::exp(-(a * t))));
+    } else {
+      gp[i] = -a * (t > 20.f ? t : (log1p ? std::log1p(std::exp(t)) : std::log(1.f + std::exp(t))));
+    }
+  }
+  at::Tensor beta = at::empty({B, H}, raw.options());
+  TORCH_CHECK(beta_raw.numel() == B * H, "beta must hold B x H values");
+  const at::Tensor braw = beta_raw.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, braw.scalar_type(), "gates", [&] {
+    const scalar_t* src = braw.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < B * H; ++i) beta.data_ptr<float>()[i] = rounded<scalar_t>(1.f / (1.f + std::exp(-float(src[i]))));
+  });
+  return {per == 1 ? g.view({B, H}) : g, beta};
+}
+
 std::tuple<at::Tensor, at::Tensor> gated_delta_step(const at::Tensor& x, const at::Tensor& window,
-                                                    const at::Tensor& weight, const at::Tensor& g,
-                                                    const at::Tensor& beta, at::Tensor& state, int64_t key_heads,
-                                                    double scale) {
+                                                    const at::Tensor& weight, const at::Tensor& g_in,
+                                                    const at::Tensor& beta_in, at::Tensor& state, int64_t key_heads,
+                                                    double scale, const std::optional<at::Tensor>& a_log,
+                                                    const std::optional<at::Tensor>& dt_bias,
+                                                    std::optional<double> lower_bound, bool log1p) {
   TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous(),
               "state must be contiguous float32 [B, H, d_k, d_v]");
   const int64_t B = state.size(0), H = state.size(1), dk = state.size(2), dv = state.size(3);
+  TORCH_CHECK(!a_log.has_value() || dt_bias.has_value(), "a_log needs dt_bias");
+  const auto [g, beta] = a_log.has_value() ? gates(g_in, beta_in, *a_log, *dt_bias, lower_bound, log1p, B, H)
+                                           : std::make_tuple(g_in, beta_in);
   TORCH_CHECK(key_heads > 0 && H % key_heads == 0, "value heads must be a multiple of key heads");
   const int64_t C = 2 * key_heads * dk + H * dv;
   TORCH_CHECK(x.dim() == 2 && x.size(0) == B && x.size(1) == C && x.is_contiguous(), "x must be contiguous [B, C]");
@@ -146,6 +190,7 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_step(const at::Tensor& x, const a
 
 TORCH_LIBRARY(shardwise_la, m) {
   m.def("gated_delta_step(Tensor x, Tensor window, Tensor weight, Tensor g, Tensor beta, Tensor(a!) state, "
-        "int key_heads, float scale) -> (Tensor, Tensor)",
+        "int key_heads, float scale, Tensor? a_log=None, Tensor? dt_bias=None, float? lower_bound=None, "
+        "bool log1p=False) -> (Tensor, Tensor)",
         &gated_delta_step);
 }
