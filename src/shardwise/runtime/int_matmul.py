@@ -52,8 +52,8 @@ from shardwise.runtime import cpp_ops, gemv
 
 SOURCE = "int_matmul.cpp"
 GEMM_ROWS = 16
-"""Rows of x from which a product runs as float32 GEMMs over dequantized blocks of the weight (verify passes of
-up to 15 rows keep the row-invariant kernel)."""
+"""Rows of x from which a product runs as GEMMs over dequantized blocks of the weight (bfloat16 for bfloat16 rows,
+else float32; verify passes of up to 15 rows keep the row-invariant kernel)."""
 BLOCK_ELEMENTS = 1 << 20
 """Weights dequantized per block (4 MB of float32: in cache while the GEMM reads it)."""
 _kernel = None
