@@ -12,6 +12,7 @@ from typing import Any
 from shardwise.errors import ShardwiseError, shown
 from shardwise.spec.config_fields import Config, check_fields
 from shardwise.spec.family_gemma import build_gemma
+from shardwise.spec.family_glm4_moe import build_glm4_moe
 from shardwise.spec.family_nemotron_h import build_nemotron_h
 from shardwise.spec.family_phi3 import build_phi3
 from shardwise.spec.mixers import (
@@ -425,5 +426,6 @@ BUILDERS = {
     "gemma3": build_gemma,
     "gemma3_text": build_gemma,
     "phi3": build_phi3,
+    "glm4_moe": build_glm4_moe,
 }
 """Builder per ``model_type`` (the text config's, else the outer config's)."""
