@@ -1,6 +1,7 @@
 """A MoE block's one-row step through the compiled ``experts_row`` (``runtime/gemv.py``): the same
 experts, order and roundings as the torch ops it replaces, for the routings and expert layouts that
-take it (Qwen3-MoE softmax top-k, DeepSeek-V3 sigmoid with shared experts), float32 and bfloat16; kept
+take it (Qwen3-MoE softmax top-k, DeepSeek-V3 sigmoid with shared experts, Qwen3.5's sigmoid-gated
+shared expert — the shared experts run in the same call, as its last expert), float32 and bfloat16; kept
 out of ``exact.row_blocked()`` and of experts it cannot run (MXFP4)."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def ckpts(tmp_path_factory):
     return {
         "qwen3_moe": make_checkpoint("qwen3-30b-a3b", "tiny", root / "qwen3_moe", seed=4),
         "deepseek": make_checkpoint("deepseek-v3", "tiny", root / "deepseek", seed=5),
+        "qwen3_5": make_checkpoint("qwen3.5-35b-a3b", "tiny", root / "qwen3_5", seed=7),
         "mxfp4": make_checkpoint("qwen3-30b-a3b", "tiny", root / "mxfp4", seed=6, quant="mxfp4"),
     }
 
@@ -42,13 +44,15 @@ def _blocks(model) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek", "qwen3_5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_row_experts_in_one_call_equal_the_torch_ops(ckpts, name, dtype, monkeypatch):
     if gemv.experts_kernel(dtype) is None:
         pytest.skip(f"no compiled experts_row for {dtype} on this machine")
     fused, model = _decode(ckpts[name], dtype)
     assert _blocks(model) and all(b._row for b in _blocks(model))  # every block took the kernel
+    shared = [b._row_shared is not None for b in _blocks(model) if b.shared_module() is not None]
+    assert shared == ([] if name == "qwen3_moe" else [True] * len(_blocks(model)))  # ... its shared experts too
     monkeypatch.setattr(gemv, "experts_kernel", lambda dtype: None)
     plain, _ = _decode(ckpts[name], dtype)
     bound = 1e-5 if dtype == torch.float32 else 0.05  # float32 rounding; a bfloat16 step of the logits

@@ -154,7 +154,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
         if moe.routing == "softmax_topk":
-            logits = F.linear(x, self.weight)
+            logits = linear(x, self.weight)  # a one-row step: gemv's product (torch's bfloat16 GEMM costs ~40 us here)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             weights, index = torch.topk(probs, moe.top_k, dim=-1)
             if moe.norm_topk_prob:
@@ -165,7 +165,7 @@ class Router(nn.Module):
             top, index = torch.topk(logits, moe.top_k, dim=-1)
             return index, torch.softmax(top, dim=1, dtype=top.dtype)
         # sigmoid_grouped (DeepSeek-V3): float32 throughout, bias for selection only
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         n, per_group = moe.n_group, moe.num_experts // moe.n_group
         if n > moe.topk_group:  # groups to choose from (Kimi's one group, or all groups kept: nothing to mask)
@@ -179,6 +179,24 @@ class Router(nn.Module):
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return index, weights * moe.routed_scaling_factor
+
+
+def _kernel_weights(mlp: nn.Module | None, dtype: torch.dtype, down: nn.Module | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(stacked gate|up weight, down weight) of a SwiGLU ``mlp`` (an expert, or the shared experts'
+    ``DenseMLP``; ``down`` its down projection, ``mlp.down_proj`` unless given) as
+    ``gemv.experts_kernel`` takes them, or None where it cannot run it: another activation, gate|up
+    not stacked, a bias, int / MXFP4 weights, another dtype, a non-contiguous weight."""
+    if mlp is None:
+        return None
+    stack, down = getattr(mlp, "stack", None), down if down is not None else getattr(mlp, "down_proj", None)
+    weight = getattr(down, "weight", None)
+    if (mlp.act is not silu_and_mul or stack is None or getattr(down, "bias", None) is not None
+            or not isinstance(stack.weight, torch.Tensor) or not isinstance(weight, torch.Tensor)
+            or stack.weight.dtype != dtype or weight.dtype != dtype
+            or not (stack.weight.is_contiguous() and weight.is_contiguous())):
+        return None
+    return stack.weight, weight
 
 
 def row_picks(index: torch.Tensor, experts) -> list[tuple[int, int]]:
@@ -237,17 +255,40 @@ class SparseMoE(nn.Module):
             norm = tensors.get("routed_expert_norm.weight")
             self.routed_expert_norm = RMSNorm(norm, shard, dtype, eps) if norm is not None else None
 
-    def _routed(self, flat: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight: a
-        one-row step in one compiled call where ``_row_weights`` allows it, else expert by expert."""
+    def _routed(self, flat: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                shared: bool = False) -> tuple[torch.Tensor, bool]:
+        """(``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight;
+        whether the shared experts' output, times ``shared_scale``, was added too). A one-row step runs
+        in one compiled call where ``_row_weights`` allows it, the shared experts (if ``shared`` and
+        ``_row_shared`` has them) as its last expert — the order ``forward``'s ``out + shared`` adds
+        them in; else expert by expert, the shared experts left to the caller."""
         row = self._row_weights(flat, out) if flat.shape[0] == 1 else None
         if row is None:
-            return add_experts(out, flat, index, weights, self.local, lambda e, rows: self.experts[str(e)](rows))
+            return add_experts(out, flat, index, weights, self.local, lambda e, rows: self.experts[str(e)](rows)), False
         picks = row_picks(index, row)
-        if picks:  # the same experts, order and roundings as add_experts' one-row loop
-            gate_up, down = [row[e][0] for e, _ in picks], [row[e][1] for e, _ in picks]
-            gemv.experts_kernel(flat.dtype)(flat[0].contiguous(), gate_up, down, weights[0], [s for _, s in picks], out[0])
-        return out
+        gate_up, down = [row[e][0] for e, _ in picks], [row[e][1] for e, _ in picks]
+        slots, scales = [s for _, s in picks], weights[0]
+        fold = shared and self._row_shared is not None
+        if fold:  # the shared experts' multiplier joins the router weights, in float32 (as the kernel reads them)
+            gate_up.append(self._row_shared[0])
+            down.append(self._row_shared[1])
+            slots.append(scales.numel())
+            scales = torch.cat([scales.float(), self.shared_scale(flat).float()])
+        if gate_up:  # the same experts, order and roundings as add_experts' one-row loop
+            gemv.experts_kernel(flat.dtype)(flat[0].contiguous(), gate_up, down, scales, slots, out[0])
+        return out, fold
+
+    def shared_module(self) -> DenseMLP | None:
+        """The shared experts (one gated MLP), or None."""
+        return self.shared_experts
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What the shared experts add to the routed sum for ``x``, or None."""
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+    def shared_scale(self, flat: torch.Tensor) -> torch.Tensor:
+        """The one-row step's multiplier of the shared experts' output ([1]): 1 here."""
+        return torch.ones(1)
 
     def _row_weights(self, x: torch.Tensor, out: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
         """{expert: (gate|up weight, down weight)} for ``gemv.experts_kernel``, or None where a one-row
@@ -261,14 +302,13 @@ class SparseMoE(nn.Module):
             row = {}
             for e in self.local:
                 expert = self.experts[str(e)]
-                stack, down = getattr(expert, "stack", None), getattr(getattr(expert, expert.parts[2]), "weight", None)
-                if (expert.act is not silu_and_mul or stack is None or not isinstance(stack.weight, torch.Tensor)
-                        or not isinstance(down, torch.Tensor) or stack.weight.dtype != x.dtype or down.dtype != x.dtype
-                        or not (stack.weight.is_contiguous() and down.is_contiguous())):
+                weights = _kernel_weights(expert, x.dtype, getattr(expert, expert.parts[2]))
+                if weights is None:
                     row = None
                     break
-                row[e] = (stack.weight, down)
+                row[e] = weights
             self._row = row
+            self._row_shared = _kernel_weights(self.shared_module(), x.dtype) if row is not None else None
         return self._row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -277,14 +317,14 @@ class SparseMoE(nn.Module):
         index, weights = self.gate(flat)
         if self.latent:
             lat = self.routed_expert_down_proj(flat)
-            parts = [self._routed(lat, index, weights, torch.zeros(lat.shape, dtype=torch.float32)).to(x.dtype)]
+            parts = [self._routed(lat, index, weights, torch.zeros(lat.shape, dtype=torch.float32))[0].to(x.dtype)]
             if self.shared_experts is not None:
                 parts.append(self.shared_experts(flat))
             return torch.cat(parts, dim=-1).view(*shape[:-1], -1)
-        out = self._routed(flat, index, weights, torch.zeros_like(flat)).view(shape)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        out, shared_added = self._routed(flat, index, weights, torch.zeros_like(flat), shared=True)
+        out = out.view(shape)
+        shared = None if shared_added else self.shared_output(x)
+        return out if shared is None else out + shared
 
     def finish(self, reduced: torch.Tensor) -> torch.Tensor:
         """The latent block's output from the all-reduced ``forward``: ``up(norm(routed)) + shared``."""

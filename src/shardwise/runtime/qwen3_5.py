@@ -127,14 +127,18 @@ class GatedSharedExpertMoE(SparseMoE):
         gate = tensors.get("shared_expert_gate.weight")
         self.shared_expert_gate = ReplicatedLinear(gate, shard, dtype) if gate is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+    def shared_module(self) -> DenseMLP | None:
+        return self.shared_expert
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.shared_expert is None:
-            return out
+            return None
         shared = self.shared_expert(x)
-        if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out + shared
+        return shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+    def shared_scale(self, flat: torch.Tensor) -> torch.Tensor:
+        """``sigmoid(shared_expert_gate · x)`` of the one row, in the run dtype (as ``shared_output`` rounds it)."""
+        return torch.ones(1) if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(flat))[0]
 
 
 def layer_prefix(layer: LayerSpec) -> str:
