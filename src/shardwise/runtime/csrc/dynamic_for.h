@@ -16,6 +16,17 @@
 
 namespace shardwise {
 
+// Weight bytes a thread should stream per chunk it takes: each new chunk restarts the hardware prefetcher's
+// stream. int4 rows of 2048 (1 KB + scales), 2 threads, 260 MB cycled, an AMD EPYC VM, side by side in two runs:
+// chunks of 32 rows read 22-23 GB/s, of 128 to 1408 rows 26.5-27.5 (fixed halves 27-28).
+constexpr int64_t kChunkBytes = 128 * 1024;
+
+// Rows per chunk for rows of `row_bytes`: about kChunkBytes, a multiple of `multiple` (at least one).
+inline int64_t run_rows(int64_t row_bytes, int64_t multiple) {
+  const int64_t rows = kChunkBytes / std::max<int64_t>(row_bytes, 1);
+  return std::max<int64_t>(multiple, (rows + multiple - 1) / multiple * multiple);
+}
+
 // f(begin, end) over [0, n) in chunks of `chunk`, each chunk taken by whichever of torch's threads is free.
 template <class F>
 void dynamic_for(int64_t n, int64_t chunk, const F& f) {

@@ -369,19 +369,19 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
 }
 #endif
 
-// y[m, r] = dot(r, m) for every output, float32 or rounded once to bfloat16 (to nearest even, as Tensor.to
-// rounds); threads take 32 weight rows at a time (dynamic_for.h), one sums each.
+// y[m, r] = dot(r, m), float32 or rounded once to bfloat16 (nearest even, as Tensor.to); threads take runs of
+// `chunk` weight rows (dynamic_for.h), one sums each.
 template <class T, class Dot>
-void each_output_as(T* yp, int64_t M, int64_t N, const Dot& dot) {
-  shardwise::dynamic_for(N, 32, [&](int64_t r0, int64_t r1) {
+void each_output_as(T* yp, int64_t M, int64_t N, int64_t chunk, const Dot& dot) {
+  shardwise::dynamic_for(N, chunk, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t m = 0; m < M; ++m) yp[m * N + r] = T(dot(r, m));
   });
 }
 template <class Dot>
-void each_output(const at::Tensor& y, int64_t M, int64_t N, const Dot& dot) {
-  if (y.scalar_type() == at::kBFloat16) return each_output_as(y.data_ptr<at::BFloat16>(), M, N, dot);
-  each_output_as(y.data_ptr<float>(), M, N, dot);
+void each_output(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, const Dot& dot) {  // row: packed + scales
+  if (y.scalar_type() == at::kBFloat16) return each_output_as(y.data_ptr<at::BFloat16>(), M, N, shardwise::run_rows(row_bytes, 32), dot);
+  each_output_as(y.data_ptr<float>(), M, N, shardwise::run_rows(row_bytes, 32), dot);
 }
 
 at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group,
@@ -403,7 +403,7 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "out_dtype must be float32 or bfloat16");
   const bool bf16 = scale.scalar_type() == at::kBFloat16;
   const void* sp = scale.data_ptr();
-  const int64_t G = K / group;
+  const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
 #if defined(SHARDWISE_BF16_DOT)
   if (bits == 4 && x_in.scalar_type() == at::kBFloat16 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0)) {
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
@@ -412,7 +412,7 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       for (int r = 0; r < 4; ++r)
         for (int l = 0; l < 32; ++l) perm[i + 32 * r + l] = xs[i + 4 * l + r];
     const uint8_t* qp = q.data_ptr<uint8_t>();
-    each_output(y, M, N, [&](int64_t r, int64_t m) {
+    each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) {
       return dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, bf16, r * G);
     });
     return y;
@@ -420,7 +420,7 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   if (bits == 8 && x_in.scalar_type() == at::kBFloat16) {  // any group (dot8_bf16 sums a group's tail alone)
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
     const int8_t* qp = q.data_ptr<int8_t>();
-    each_output(y, M, N, [&](int64_t r, int64_t m) { return dot8_bf16(qp + r * K, xs + m * K, K, group, sp, bf16, r * G); });
+    each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) { return dot8_bf16(qp + r * K, xs + m * K, K, group, sp, bf16, r * G); });
     return y;
   }
 #endif
@@ -436,7 +436,7 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       }
     xs = perm.data();
   }
-  each_output(y, M, N, [&](int64_t r, int64_t m) {
+  each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) {
     return bits == 8 ? dot8(q.data_ptr<int8_t>() + r * K, xs + m * K, K, group, sp, bf16, r * G)
                      : dot4(q.data_ptr<uint8_t>() + r * (K / 2), xs + m * K, K, group, sp, bf16, r * G);
   });
