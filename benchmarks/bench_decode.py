@@ -13,7 +13,7 @@ All figures come from this one run on this machine, so the ratios are what to re
    and the runtime's ``gemv.mv``, the array as a [16384, 4096] weight) — measured before every
    round and the best of the run kept, because a shared host's bandwidth moves during a run (one
    run here read 25-45 GB/s at different moments; each round's share of the sample taken just
-   before it is printed too). Decode streams weights it only reads, so the
+   before it is printed too, for tp=1 and the int rows). Decode streams weights it only reads, so the
    ceiling is the best read bandwidth (``sum`` or a product) over the weight bytes one token reads
    (every layer's weights and the LM head; the embedding reads one row; the KV cache at
    this context is < 0.1 % and left out); the triad ceiling is printed next to it.
@@ -352,8 +352,10 @@ def main() -> None:
           f"{', '.join(f'{p:.0f}%' for p in paired)}")
     for fmt, rates in ints.items():
         roof = read * 1e9 / int_bytes[fmt]
+        own = [100 * rate * int_bytes[fmt] / (max(s["read"], s["product"]) * 1e9) for rate, s in zip(rates, samples)]
         print(f"shardwise {fmt:5s} {max(rates):6.2f} tok/s  ({int_bytes[fmt] / 1e9:.2f} GB per token, "
-              f"{100 * max(rates) / roof:.0f}% of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}), "
+              f"{100 * max(rates) / roof:.0f}% of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}, "
+              f"against the bandwidth sampled at each round's start {', '.join(f'{p:.0f}%' for p in own)}), "
               f"{args.dtype} activations")
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
     int_of = {"Q8_0": "int8", "Q4_0": "int4"}
