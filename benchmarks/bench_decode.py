@@ -69,9 +69,8 @@ SHORT_BECAUSE = (
     "(VNNI dot products, 64 multiply-adds per instruction), while shardwise keeps the activations as they are "
     "(within 1e-7 of the dequantized product) and turns every weight into a float (float32 rows) or a "
     "bfloat16 (bfloat16 rows, 32 products per vdpbf16ps) in registers; with weights in cache that unpacking "
-    "bounds its kernel, from memory it reads its packed rows at ~75% of a plain streaming loop's rate "
-    "(int4, 2 threads, AMD EPYC VM: 21-27 vs 25-38 GB/s side by side; with the unpacking removed no faster), "
-    "where llama.cpp's Q4_0 token read ~27 GB/s on the same VM"
+    "bounds its kernel, from memory it reads its packed rows at ~80% of a plain streaming loop's rate "
+    "(int4, 2 threads, AMD EPYC VM: 26-28 vs 33-34 GB/s side by side; with the unpacking removed no faster)"
 )
 """Why shardwise's int kernel trails llama.cpp's at the same format, printed beside a ratio below 1."""
 
