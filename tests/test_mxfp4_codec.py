@@ -184,17 +184,40 @@ def test_mxfp4_matmul_equals_dense_linear():
     w = rng.standard_normal((48, 96)).astype(np.float32)
     blocks, scales = mxfp4.encode(w)
     dense = torch.from_numpy(mxfp4.decode(blocks, scales))
-    x = torch.randn(2, 5, 96)
+    x = torch.randn(4, 5, 96)  # 20 rows (>= GEMM_ROWS): one dense product
     bias = torch.randn(48)
     got = rt.mxfp4_matmul(x, torch.from_numpy(blocks), torch.from_numpy(scales), bias)
     assert torch.equal(got, torch.nn.functional.linear(x, dense, bias))
     got_bf16 = rt.mxfp4_matmul(x.bfloat16(), torch.from_numpy(blocks), torch.from_numpy(scales), bias)
     assert got_bf16.dtype == torch.bfloat16
     assert torch.equal(got_bf16, torch.nn.functional.linear(x.bfloat16(), dense.bfloat16(), bias.bfloat16()))
-    with pytest.raises(ShardwiseError, match=r"x of shape \[2, 5, 64\]"):
+    with pytest.raises(ShardwiseError, match=r"x of shape \[4, 5, 64\]"):
         rt.mxfp4_matmul(x[..., :64], torch.from_numpy(blocks), torch.from_numpy(scales))
     with pytest.raises(ShardwiseError, match="scales have dtype torch.float32"):
         rt.mxfp4_matmul(x, torch.from_numpy(blocks), torch.from_numpy(scales).float())
+
+
+def test_mxfp4_matmul_of_few_rows_reads_the_packed_bytes():
+    """Fewer than GEMM_ROWS rows run int_matmul's kernel on the packed bytes (AVX-512 CPUs): within float32
+    rounding of the dense product (bfloat16: of its one rounding), E8M0's subnormal byte 0 and NaN byte 255
+    included, and each row the same bits alone as among others (speculative verify = single steps)."""
+    rng = np.random.default_rng(4)
+    blocks, scales = mxfp4.encode(rng.standard_normal((48, 256)).astype(np.float32))
+    scales[1, 2], scales[2, 0] = 0, 0xFF
+    dense = torch.from_numpy(mxfp4.decode(blocks, scales)).double()
+    blocks, scales = torch.from_numpy(blocks), torch.from_numpy(scales)
+    x, bias = torch.randn(7, 256), torch.randn(48)
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert rt._packed_kernel(x, blocks) is not None
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
+        got = rt.mxfp4_matmul(x.to(dtype), blocks, scales, bias)
+        ref = torch.nn.functional.linear(x.to(dtype).double(), dense, bias.to(dtype).double())
+        assert got.dtype == dtype and bool(got[:, 2].isnan().all()) and not bool(got[:, [0, 1, 3]].isnan().any())
+        keep = [i for i in range(48) if i != 2]
+        torch.testing.assert_close(got[:, keep].double(), ref[:, keep], rtol=tol, atol=tol)
+        for i in range(7):
+            one = rt.mxfp4_matmul(x[i : i + 1].to(dtype), blocks, scales, bias)
+            assert torch.equal(one[:, keep], got[i : i + 1, keep]) and bool(one[0, 2].isnan())
 
 
 def half_step(q: np.ndarray) -> np.ndarray:

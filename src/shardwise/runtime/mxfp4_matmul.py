@@ -15,12 +15,20 @@ overflows to inf at ≥ 2^128, like
 `transformers.integrations.mxfp4.convert_moe_packed_tensors`), so the result is
 bit-identical to `shardwise.quant.mxfp4_codec.decode`. float16 cannot hold the scales, so
 it is computed in float32 and rounded once; float64 gathers float pairs.
+
+On an AVX-512 CPU, float32 / bfloat16 passes of fewer than ``int_matmul.GEMM_ROWS`` rows (decode steps,
+speculative verify) — and every pass under ``exact.row_blocked()`` — multiply the packed bytes directly
+with ``int_matmul``'s compiled kernel (uint8 E8M0 scales select MXFP4: E2M1 values, exact products, each
+row summed in one fixed order, nothing decoded to memory): in ``benchmarks/bench_mxfp4.py``'s decode the
+dense decode-then-matmul made MXFP4 experts ~3x slower per token than BF16 ones.
 """
 
 import torch
 import torch.nn.functional as F
 
 from shardwise.errors import ShardwiseError
+from shardwise.runtime import cpp_ops, gemv
+from shardwise.runtime.int_matmul import GEMM_ROWS, SOURCE
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, check_blocks_scales
 
 _BYTES_PER_BLOCK = BLOCK_SIZE // 2
@@ -79,4 +87,22 @@ def mxfp4_matmul(
             f"MXFP4 matmul got x of shape {list(x.shape)} and blocks {list(blocks.shape)}, expected x [..., in] "
             f"and blocks [out, in/32, {_BYTES_PER_BLOCK}] with the same in: check the weight's input dimension"
         )
-    return F.linear(x, decode(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
+    rows = x.reshape(-1, x.shape[-1])
+    op = _packed_kernel(rows, blocks)
+    if op is None:
+        return F.linear(x, decode(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
+    rows = (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()
+    y = op(rows, blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype)
+    y = y.view(*x.shape[:-1], blocks.shape[0])
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+def _packed_kernel(rows: torch.Tensor, blocks: torch.Tensor):
+    """``int_matmul``'s compiled op where it runs these rows on the packed bytes (see the module docstring),
+    else None: not an AVX-512 CPU or no compiler, another device or dtype, non-contiguous blocks, or a pass of
+    ``GEMM_ROWS`` or more rows outside ``exact.row_blocked()`` (one dense product is faster there)."""
+    if (rows.device.type != "cpu" or rows.dtype not in (torch.float32, torch.bfloat16) or not blocks.is_contiguous()
+            or (rows.shape[0] >= GEMM_ROWS and gemv.applies(rows))
+            or torch.backends.cpu.get_cpu_capability() != "AVX512"):
+        return None
+    return cpp_ops.optional_op(SOURCE, "shardwise_int", "int_matmul")

@@ -5,8 +5,9 @@
 // Layouts (those of compressed-tensors' pack-quantized int32 words, read as bytes, little-endian):
 //   bits 8: q int8 [N, K] (the stored unsigned byte minus 128, converted once at load);
 //   bits 4: q uint8 [N, K/2], element 2j in the low nibble of byte j, 2j+1 in the high one,
-//           each stored unsigned with offset 8 (value = nibble - 8).
-// scale [N, K/group] float32 or bfloat16; x float32 or bfloat16 [M, K] (bfloat16 rows take vdpbf16ps where the
+//           each stored unsigned with offset 8 (value = nibble - 8); MXFP4's blocks [N, K/32, 16] are the same
+//           bytes, each nibble an E2M1 value, with uint8 E8M0 scales (ScaleKind).
+// scale [N, K/group] float32 or bfloat16 (or E8M0); x float32 or bfloat16 [M, K] (bfloat16 rows take vdpbf16ps where the
 // CPU has it, otherwise rows are widened to float32); group a multiple of 32 dividing K, or (8 bits, per
 // channel) the whole row of any width, whose last K % 32 products are summed one by one. y float32, or
 // (out_dtype) bfloat16: the float32 sum rounded once, to nearest even.
@@ -40,9 +41,16 @@ namespace {
 // and 8 KB ahead; int4 on an AMD EPYC VM: 23 GB/s without, 24-27 at 1-16 KB ahead (within noise of each other).
 constexpr int64_t kPrefetchBytes = 4096;
 
-inline float scale_at(const void* s, bool bf16, int64_t i) {
-  if (!bf16) return static_cast<const float*>(s)[i];
-  uint32_t bits = uint32_t(static_cast<const uint16_t*>(s)[i]) << 16;
+// Scales: float32, bfloat16, or (MXFP4) E8M0 bytes e meaning 2^(e - 127) (e = 0: the float32 subnormal 2^-127;
+// 255: NaN), which also make the 4-bit values E2M1 (OCP MX: 0, 0.5, 1, 1.5, 2, 3, 4, 6, sign in bit 3).
+enum ScaleKind { kF32, kBF16, kE8M0 };
+constexpr float kE2M1[16] = {0, .5f, 1, 1.5f, 2, 3, 4, 6, -0.f, -.5f, -1, -1.5f, -2, -3, -4, -6};
+
+inline uint32_t e8m0_bits(uint32_t e) { return e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23; }
+
+inline float scale_at(const void* s, ScaleKind sk, int64_t i) {
+  if (sk == kF32) return static_cast<const float*>(s)[i];
+  uint32_t bits = sk == kE8M0 ? e8m0_bits(static_cast<const uint8_t*>(s)[i]) : uint32_t(static_cast<const uint16_t*>(s)[i]) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
@@ -53,7 +61,7 @@ inline float scale_at(const void* s, bool bf16, int64_t i) {
 // times its scale goes into one of two sets of row accumulators, alternating by group.
 inline __m512 f8(const int8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))); }
 
-float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
+float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   float rest = 0;
   for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
@@ -73,7 +81,7 @@ float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void
     }
     float tail = 0;  // per-channel rows whose width is not a multiple of 32 (a tensor-parallel slice)
     for (; k < g0 + group; ++k) tail += float(q[k]) * x[k];
-    const float scale = scale_at(s, bf16, gi);
+    const float scale = scale_at(s, sk, gi);
     rest += scale * tail;
     __m512 sc = _mm512_set1_ps(scale);
     if ((gi - s0) & 1) {
@@ -109,15 +117,15 @@ inline void add_group(__m512 sc, __m512 t, bool odd, __m512& a0, __m512& a1) {
 
 // xp: each 32-chunk of x as its 16 even then its 16 odd elements (the nibble order). A nibble becomes
 // its float value (nibble - 8) through a 16-entry table (vpermps reads the low 4 bits of each index).
-float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
-  const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
+  const __m512 lut = sk == kE8M0 ? _mm512_loadu_ps(kE2M1) : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   if (group == 32) {  // one 32-element chunk per scale: no per-group sums of partial chains
     for (int64_t k = 0, gi = s0; k < K; k += 32, ++gi) {
       if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
       __m512i w = bytes16(q + k / 2);
       __m512 t = fma_high(w, lut, xp + k + 16, _mm512_mul_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(xp + k)));
-      add_group(_mm512_set1_ps(scale_at(s, bf16, gi)), t, (gi - s0) & 1, a0, a1);
+      add_group(_mm512_set1_ps(scale_at(s, sk, gi)), t, (gi - s0) & 1, a0, a1);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
   }
@@ -138,7 +146,7 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
       t1 = fma_high(w, lut, xp + k + 16, t1);
     }
     __m512 t = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
-    add_group(_mm512_set1_ps(scale_at(s, bf16, gi)), t, (gi - s0) & 1, a0, a1);
+    add_group(_mm512_set1_ps(scale_at(s, sk, gi)), t, (gi - s0) & 1, a0, a1);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
@@ -167,33 +175,41 @@ __m512i bf16_table(Value value) {
 // bits of a word: the table repeats its 16 values) after a shift by 4r. Float32 lane i of a chunk's sum
 // holds elements 8i..8i+7: lanes 0-3 are the chunk's first 32 weights, 4-7 the next 32, and so on.
 const __m512i kNibbleBf16 = bf16_table([](int n) { return float(n - 8); });
+const __m512i kE2M1Bf16 = bf16_table([](int n) { return kE2M1[n]; });  // MXFP4's values, exact in bfloat16
 
-inline __m512bh nibbles_bf16(__m512i words, int shift) {
-  return (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, shift), kNibbleBf16);
+inline __m512bh nibbles_bf16(__m512i words, int shift, __m512i table) {
+  return (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, shift), table);
 }
 
 // One 128-weight chunk's products with xp (the chunk's x as four blocks of 32: block r, lane l = element
 // 4l + r) added into two independent chains.
-inline void chunk128(const uint8_t* q, const uint16_t* xp, __m512& t0, __m512& t1) {
+inline void chunk128(const uint8_t* q, const uint16_t* xp, __m512i table, __m512& t0, __m512& t1) {
   const __m512i w = _mm512_loadu_si512(q);
-  t0 = _mm512_dpbf16_ps(t0, (__m512bh)_mm512_permutexvar_epi16(w, kNibbleBf16), (__m512bh)_mm512_loadu_si512(xp));
-  t1 = _mm512_dpbf16_ps(t1, nibbles_bf16(w, 4), (__m512bh)_mm512_loadu_si512(xp + 32));
-  t0 = _mm512_dpbf16_ps(t0, nibbles_bf16(w, 8), (__m512bh)_mm512_loadu_si512(xp + 64));
-  t1 = _mm512_dpbf16_ps(t1, nibbles_bf16(w, 12), (__m512bh)_mm512_loadu_si512(xp + 96));
+  t0 = _mm512_dpbf16_ps(t0, (__m512bh)_mm512_permutexvar_epi16(w, table), (__m512bh)_mm512_loadu_si512(xp));
+  t1 = _mm512_dpbf16_ps(t1, nibbles_bf16(w, 4, table), (__m512bh)_mm512_loadu_si512(xp + 32));
+  t0 = _mm512_dpbf16_ps(t0, nibbles_bf16(w, 8, table), (__m512bh)_mm512_loadu_si512(xp + 64));
+  t1 = _mm512_dpbf16_ps(t1, nibbles_bf16(w, 12, table), (__m512bh)_mm512_loadu_si512(xp + 96));
 }
 
 // A chunk's scales (groups of 32 or 64: `count` = 4 or 2 of them from gi) spread to the lanes their weights
 // sum in (lane i: scale idx[i]). A bfloat16 scale is a float32's top 16 bits: one word permute puts it
 // there and zeroes the bottom ones.
-inline __m512 chunk_scales(const void* s, bool bf16, int64_t gi, int count, __m512i idx) {
+inline __m512 chunk_scales(const void* s, ScaleKind sk, int64_t gi, int count, __m512i idx) {
   const __mmask8 take = __mmask8((1 << count) - 1);
-  if (!bf16) return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(take, static_cast<const float*>(s) + gi)));
+  if (sk == kE8M0) {  // e << 23, with the two special bytes (e8m0_bits) mended lane by lane
+    const __m512i e = _mm512_permutexvar_epi32(idx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(take, static_cast<const uint8_t*>(s) + gi)));
+    __m512i v = _mm512_slli_epi32(e, 23);
+    v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000)));
+  }
+  if (sk == kF32) return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(take, static_cast<const float*>(s) + gi)));
   const __m512i raw = _mm512_castsi128_si512(_mm_maskz_loadu_epi16(take, static_cast<const uint16_t*>(s) + gi));
   return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_slli_epi32(idx, 16), raw));
 }
 
 // One row of 4-bit weights against a bfloat16 row (K a multiple of 128; group 32, 64 or a multiple of 128).
-float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
+float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
+  const __m512i table = sk == kE8M0 ? kE2M1Bf16 : kNibbleBf16;
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   if (group < 128) {  // 32 or 64: each chunk spans 128 / group groups
     const int count = int(128 / group);
@@ -202,8 +218,8 @@ float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, 
     for (int64_t k = 0, gi = s0; k < K; k += 128, gi += count) {
       _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
       __m512 t0 = _mm512_setzero_ps(), t1 = t0;
-      chunk128(q + k / 2, xp + k, t0, t1);
-      add_group(chunk_scales(s, bf16, gi, count, idx), _mm512_add_ps(t0, t1), (k >> 7) & 1, a0, a1);
+      chunk128(q + k / 2, xp + k, table, t0, t1);
+      add_group(chunk_scales(s, sk, gi, count, idx), _mm512_add_ps(t0, t1), (k >> 7) & 1, a0, a1);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
   }
@@ -211,9 +227,9 @@ float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, 
     __m512 t0 = _mm512_setzero_ps(), t1 = t0;
     for (int64_t k = g0; k < g0 + group; k += 128) {
       _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
-      chunk128(q + k / 2, xp + k, t0, t1);
+      chunk128(q + k / 2, xp + k, table, t0, t1);
     }
-    add_group(_mm512_set1_ps(scale_at(s, bf16, gi)), _mm512_add_ps(t0, t1), (gi - s0) & 1, a0, a1);
+    add_group(_mm512_set1_ps(scale_at(s, sk, gi)), _mm512_add_ps(t0, t1), (gi - s0) & 1, a0, a1);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
@@ -232,7 +248,7 @@ inline void chunk32_8(const int8_t* q, const uint16_t* x, __m512& lo, __m512& hi
   hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), kHighBf16), xv);
 }
 
-float dot8_bf16(const int8_t* q, const uint16_t* x, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
+float dot8_bf16(const int8_t* q, const uint16_t* x, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   float rest = 0;
   for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
@@ -254,7 +270,7 @@ float dot8_bf16(const int8_t* q, const uint16_t* x, int64_t K, int64_t group, co
       std::memcpy(&f, &bits, sizeof f);
       tail += float(q[k]) * f;
     }
-    const float scale = scale_at(s, bf16, gi);
+    const float scale = scale_at(s, sk, gi);
     rest += scale * tail;
     const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(16.f), _mm512_add_ps(hi0, hi1), _mm512_add_ps(lo0, lo1));
     add_group(_mm512_set1_ps(scale), t, (gi - s0) & 1, a0, a1);
@@ -263,71 +279,7 @@ float dot8_bf16(const int8_t* q, const uint16_t* x, int64_t K, int64_t group, co
 }
 #endif
 #elif defined(SHARDWISE_AVX2)
-inline __m256 to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
-
-inline float lanes_sum(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  alignas(32) float v[8];
-  _mm256_store_ps(v, s);
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
-
-// One row of int8 weights against one row of x.
-float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  float rest = 0;
-  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
-    __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
-    int64_t k = g0;
-    for (; k + 32 <= g0 + group; k += 32) {
-      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
-      __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
-      __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-      t0 = _mm256_fmadd_ps(to_float(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x + k), t0);
-      t1 = _mm256_fmadd_ps(to_float(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + k + 8), t1);
-      t2 = _mm256_fmadd_ps(to_float(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + k + 16), t2);
-      t3 = _mm256_fmadd_ps(to_float(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + k + 24), t3);
-    }
-    float tail = 0;  // per-channel rows whose width is not a multiple of 32 (a tensor-parallel slice)
-    for (; k < g0 + group; ++k) tail += float(q[k]) * x[k];
-    const float scale = scale_at(s, bf16, gi);
-    rest += scale * tail;
-    __m256 sc = _mm256_set1_ps(scale);
-    a0 = _mm256_fmadd_ps(sc, t0, a0);
-    a1 = _mm256_fmadd_ps(sc, t1, a1);
-    a2 = _mm256_fmadd_ps(sc, t2, a2);
-    a3 = _mm256_fmadd_ps(sc, t3, a3);
-  }
-  return lanes_sum(a0, a1, a2, a3) + rest;
-}
-
-// One row of 4-bit weights; xp is x with each 32-chunk reordered as its 16 even then 16 odd elements.
-float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
-  const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
-    __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
-    for (int64_t k = g0; k < g0 + group; k += 32) {
-      if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
-      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
-      __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-      __m256i e0 = _mm256_sub_epi32(_mm256_and_si256(w0, low), eight);
-      __m256i e1 = _mm256_sub_epi32(_mm256_and_si256(w1, low), eight);
-      __m256i o0 = _mm256_sub_epi32(_mm256_srli_epi32(w0, 4), eight);
-      __m256i o1 = _mm256_sub_epi32(_mm256_srli_epi32(w1, 4), eight);
-      t0 = _mm256_fmadd_ps(to_float(e0), _mm256_loadu_ps(xp + k), t0);
-      t1 = _mm256_fmadd_ps(to_float(e1), _mm256_loadu_ps(xp + k + 8), t1);
-      t2 = _mm256_fmadd_ps(to_float(o0), _mm256_loadu_ps(xp + k + 16), t2);
-      t3 = _mm256_fmadd_ps(to_float(o1), _mm256_loadu_ps(xp + k + 24), t3);
-    }
-    __m256 sc = _mm256_set1_ps(scale_at(s, bf16, gi));
-    a0 = _mm256_fmadd_ps(sc, t0, a0);
-    a1 = _mm256_fmadd_ps(sc, t1, a1);
-    a2 = _mm256_fmadd_ps(sc, t2, a2);
-    a3 = _mm256_fmadd_ps(sc, t3, a3);
-  }
-  return lanes_sum(a0, a1, a2, a3);
-}
+#include "int_matmul_avx2.h"
 #else
 // Portable versions with the same 32-lane order (no AVX2/FMA on this machine).
 inline float lanes_sum(const float* a) {
@@ -336,7 +288,7 @@ inline float lanes_sum(const float* a) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
+float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
   float a[32] = {0}, rest = 0;
   for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
     float t[32] = {0}, tail = 0;
@@ -344,14 +296,14 @@ float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void
     for (; k + 32 <= g0 + group; k += 32)
       for (int j = 0; j < 32; ++j) t[j] += float(q[k + j]) * x[k + j];
     for (; k < g0 + group; ++k) tail += float(q[k]) * x[k];
-    float sc = scale_at(s, bf16, gi);
+    float sc = scale_at(s, sk, gi);
     rest += sc * tail;
     for (int j = 0; j < 32; ++j) a[j] += sc * t[j];
   }
   return lanes_sum(a) + rest;
 }
 
-float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, bool bf16, int64_t s0) {
+float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
   float a[32] = {0};
   for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
     float t[32] = {0};
@@ -359,10 +311,10 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
       for (int j = 0; j < 16; ++j) {
         uint8_t b = q[k / 2 + j];
         int lane = j < 8 ? j : 8 + (j - 8);  // even elements fill lanes 0..15, odd ones 16..31
-        t[lane] += float(int(b & 15) - 8) * xp[k + j];
-        t[16 + lane] += float(int(b >> 4) - 8) * xp[k + 16 + j];
+        t[lane] += (sk == kE8M0 ? kE2M1[b & 15] : float(int(b & 15) - 8)) * xp[k + j];
+        t[16 + lane] += (sk == kE8M0 ? kE2M1[b >> 4] : float(int(b >> 4) - 8)) * xp[k + 16 + j];
       }
-    float sc = scale_at(s, bf16, gi);
+    float sc = scale_at(s, sk, gi);
     for (int j = 0; j < 32; ++j) a[j] += sc * t[j];
   }
   return lanes_sum(a);
@@ -389,7 +341,11 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scale.dim() == 2 && scale.is_contiguous(), "q and scale must be contiguous 2-D");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16, "scale must be float32 or bfloat16");
+  const ScaleKind sk = scale.scalar_type() == at::kByte ? kE8M0 : scale.scalar_type() == at::kBFloat16 ? kBF16 : kF32;
+  TORCH_CHECK(sk != kF32 || scale.scalar_type() == at::kFloat, "scale must be float32, bfloat16 or (MXFP4) uint8 E8M0");
+#if defined(SHARDWISE_AVX2)
+  TORCH_CHECK(sk != kE8M0, "MXFP4 (uint8 E8M0 scales) runs on the AVX-512 and portable builds, not AVX2");
+#endif
   const int64_t M = x_in.size(0), K = x_in.size(1), N = q.size(0);
   TORCH_CHECK(K % group == 0 && (group % 32 == 0 || (bits == 8 && group == K)),
               "group must divide K and be a multiple of 32 (or, for 8 bits, the whole row)");
@@ -399,9 +355,9 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   } else {
     TORCH_CHECK(bits == 4 && q.scalar_type() == at::kByte && q.size(1) == K / 2, "4-bit q must be uint8 [N, K / 2]");
   }
+  TORCH_CHECK(sk != kE8M0 || (bits == 4 && group == 32), "MXFP4 (uint8 E8M0 scales) is 4 bits in groups of 32");
   auto y = at::empty({M, N}, x_in.options().dtype(out_dtype.value_or(at::kFloat)));
   TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "out_dtype must be float32 or bfloat16");
-  const bool bf16 = scale.scalar_type() == at::kBFloat16;
   const void* sp = scale.data_ptr();
   const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
 #if defined(SHARDWISE_BF16_DOT)
@@ -413,14 +369,14 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
         for (int l = 0; l < 32; ++l) perm[i + 32 * r + l] = xs[i + 4 * l + r];
     const uint8_t* qp = q.data_ptr<uint8_t>();
     each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) {
-      return dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, bf16, r * G);
+      return dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, sk, r * G);
     });
     return y;
   }
   if (bits == 8 && x_in.scalar_type() == at::kBFloat16) {  // any group (dot8_bf16 sums a group's tail alone)
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
     const int8_t* qp = q.data_ptr<int8_t>();
-    each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) { return dot8_bf16(qp + r * K, xs + m * K, K, group, sp, bf16, r * G); });
+    each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) { return dot8_bf16(qp + r * K, xs + m * K, K, group, sp, sk, r * G); });
     return y;
   }
 #endif
@@ -437,8 +393,8 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
     xs = perm.data();
   }
   each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) {
-    return bits == 8 ? dot8(q.data_ptr<int8_t>() + r * K, xs + m * K, K, group, sp, bf16, r * G)
-                     : dot4(q.data_ptr<uint8_t>() + r * (K / 2), xs + m * K, K, group, sp, bf16, r * G);
+    return bits == 8 ? dot8(q.data_ptr<int8_t>() + r * K, xs + m * K, K, group, sp, sk, r * G)
+                     : dot4(q.data_ptr<uint8_t>() + r * (K / 2), xs + m * K, K, group, sp, sk, r * G);
   });
   return y;
 }
