@@ -80,16 +80,13 @@ def test_bad_inputs_are_refused(op):
         op(q, k[:, :3], v[:, :3], scale)
 
 
-def test_mla_decode_in_the_absorbed_form_matches_transformers(op, tmp_path, monkeypatch):
-    """DeepSeek-V3 attention past the prompt runs absorbed (queries taken into latent space, the cached
-    latents read once, no per-token kv_b expansion): one-token steps and a multi-token pass at a later
-    start give transformers' logits for the whole sequence within 1e-4."""
+IDS = [3, 17, 101, 42, 7, 250, 11, 64, 9, 33, 180, 2]
+
+
+def _tiny_deepseek(folder):
+    """A tiny random DeepSeek-V3 written by transformers' own class into ``folder``; returns the model."""
     transformers = pytest.importorskip("transformers")
     from runtime_checks import randomise
-    from shardwise.plan import ParallelPlan
-    from shardwise.runtime.attention import MLAttention
-    from shardwise.runtime.loader import load_shard, load_spec
-    from shardwise.runtime.model import ShardedCausalLM
 
     config = transformers.DeepseekV3Config(
         vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
@@ -100,8 +97,21 @@ def test_mla_decode_in_the_absorbed_form_matches_transformers(op, tmp_path, monk
     torch.manual_seed(11)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     randomise(hf)
-    hf.save_pretrained(tmp_path)
-    ids = [3, 17, 101, 42, 7, 250, 11, 64, 9, 33, 180, 2]
+    hf.save_pretrained(folder)
+    return hf
+
+
+def test_mla_decode_in_the_absorbed_form_matches_transformers(op, tmp_path, monkeypatch):
+    """DeepSeek-V3 attention past the prompt runs absorbed (queries taken into latent space, the cached
+    latents read once, no per-token kv_b expansion): one-token steps and a multi-token pass at a later
+    start give transformers' logits for the whole sequence within 1e-4."""
+    from shardwise.plan import ParallelPlan
+    from shardwise.runtime.attention import MLAttention
+    from shardwise.runtime.loader import load_shard, load_spec
+    from shardwise.runtime.model import ShardedCausalLM
+
+    hf = _tiny_deepseek(tmp_path)
+    ids = IDS
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     absorbed = []
@@ -115,3 +125,31 @@ def test_mla_decode_in_the_absorbed_form_matches_transformers(op, tmp_path, monk
         got.append(model.logits(torch.tensor([ids[9:]]), start=9)[0])  # a verify-like pass
     assert absorbed and all(out is not None for out in absorbed)
     assert (torch.cat(got) - want).abs().max().item() <= 1e-4
+
+
+def test_mla_absorbed_form_in_bfloat16(op, tmp_path, monkeypatch):
+    """bfloat16 (the value product a bmm against kv_b's blocks as stored): one-token steps within bfloat16
+    rounding of the expanded form (2^-5 of the largest logit: a bfloat16 step is 2^-8 of a value), and a
+    multi-token pass's rows the same bits as the steps under exact.row_blocked()."""
+    from shardwise.plan import ParallelPlan
+    from shardwise.runtime.attention import MLAttention
+    from shardwise.runtime.exact import row_blocked
+    from shardwise.runtime.loader import load_shard, load_spec
+    from shardwise.runtime.model import ShardedCausalLM
+
+    _tiny_deepseek(tmp_path)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        model = ShardedCausalLM(load_spec(tmp_path), ParallelPlan(), 0, torch.bfloat16, max_seq_len=32)
+        load_shard(model, tmp_path)
+        with torch.no_grad(), row_blocked():
+            model.logits(torch.tensor([IDS[:6]]))
+            steps = torch.cat([model.logits(torch.tensor([[t]]), start=6 + i)[0] for i, t in enumerate(IDS[6:])])
+            model.logits(torch.tensor([IDS[:6]]))
+            return steps.float(), model.logits(torch.tensor([IDS[6:]]), start=6)[0].float()
+
+    steps, whole = run()
+    assert torch.equal(steps, whole)
+    monkeypatch.setattr(MLAttention, "_absorbed", lambda self, *a: None)  # every pass expanded
+    expanded, _ = run()
+    assert (steps - expanded).abs().max().item() <= 2**-5 * expanded.abs().max().item()

@@ -429,7 +429,7 @@ class MLAttention(nn.Module):
             return None
         b, heads, rank = query.shape[0], self.heads, self.kv_lora_rank
         blocks = weight.view(heads, self.nope + self.v_dim, rank)
-        keys, values = blocks[:, : self.nope], blocks[:, self.nope :].transpose(1, 2)  # [H, nope, rank], [H, rank, v]
+        keys, values = blocks[:, : self.nope], blocks[:, self.nope :]  # [H, nope, rank], [H, v, rank]
         rows_out = []
         for i, position in enumerate(positions.tolist()):
             end = position + 1
@@ -437,6 +437,11 @@ class MLAttention(nn.Module):
             q_latent = torch.matmul(q[..., : self.nope], keys)  # [b, H, 1, rank]
             latent = cache[:, :end].unsqueeze(1)  # [b, 1, L, rank + rope]: one KV head for all H
             out = op(torch.cat([q_latent, q[..., self.nope :]], dim=-1).contiguous(), latent, latent[..., :rank], self.scaling)
-            rows_out.append(torch.matmul(out.view(b, heads, 1, rank), values).view(b, 1, heads * self.v_dim))
+            if out.dtype == torch.bfloat16:  # a bmm against the blocks as stored: 2-2.5x the matmul against their
+                # transpose here (16 heads, rank 512: 260-315 vs 630-670 us); float32 the other way round (650 vs 300)
+                heads_out = torch.stack([torch.bmm(values, o.view(heads, rank, 1)) for o in out.view(b, heads, rank)])
+            else:
+                heads_out = torch.matmul(out.view(b, heads, 1, rank), values.transpose(1, 2))
+            rows_out.append(heads_out.reshape(b, 1, heads * self.v_dim))
         return torch.cat(rows_out, dim=1)
 
