@@ -59,6 +59,17 @@ BLOCK_ELEMENTS = 1 << 20
 _kernel = None
 
 
+def runs_as_gemm(rows: torch.Tensor) -> bool:
+    """Whether a pass of ``rows`` [M, in] is multiplied by dense GEMMs rather than the kernel: ``GEMM_ROWS`` or
+    more rows, outside ``exact.row_blocked()`` (where every pass keeps the row-invariant kernel)."""
+    return rows.shape[0] >= GEMM_ROWS and gemv.applies(rows)
+
+
+def kernel_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the kernel reads them: bfloat16 as they are, any other dtype as float32; contiguous."""
+    return (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()
+
+
 def kernel():
     """The compiled ``int_matmul(x, q, scale, bits, group)`` op, built once per machine and loaded
     once per process (``cpp_ops.load``)."""
@@ -128,11 +139,11 @@ class IntWeight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] >= GEMM_ROWS and gemv.applies(rows):
+        if runs_as_gemm(rows):
             y = self._dequantized_blocks(rows)
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
-        rows = (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()  # the kernel reads both
+        rows = kernel_rows(rows)
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
             return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype).view(*x.shape[:-1], self.q.shape[0])
         y = kernel()(rows, self.q, self.scale, self.bits, self.group)

@@ -258,7 +258,7 @@ class SparseMoE(nn.Module):
     def _routed(self, flat: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                 shared: bool = False) -> tuple[torch.Tensor, bool]:
         """(``out`` plus this rank's experts' outputs for rows ``flat``, each times its router weight;
-        whether the shared experts' output, times ``shared_scale``, was added too). A one-row step runs
+        whether the shared experts' output, times ``shared_gate``, was added too). A one-row step runs
         in one compiled call where ``_row_weights`` allows it, the shared experts (if ``shared`` and
         ``_row_shared`` has them) as its last expert — the order ``forward``'s ``out + shared`` adds
         them in; else expert by expert, the shared experts left to the caller."""
@@ -273,7 +273,8 @@ class SparseMoE(nn.Module):
             gate_up.append(self._row_shared[0])
             down.append(self._row_shared[1])
             slots.append(scales.numel())
-            scales = torch.cat([scales.float(), self.shared_scale(flat).float()])
+            gate = self.shared_gate(flat)
+            scales = torch.cat([scales.float(), torch.ones(1) if gate is None else gate[0].float()])
         if gate_up:  # the same experts, order and roundings as add_experts' one-row loop
             gemv.experts_kernel(flat.dtype)(flat[0].contiguous(), gate_up, down, scales, slots, out[0])
         return out, fold
@@ -282,13 +283,17 @@ class SparseMoE(nn.Module):
         """The shared experts (one gated MLP), or None."""
         return self.shared_experts
 
-    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
-        """What the shared experts add to the routed sum for ``x``, or None."""
-        return None if self.shared_experts is None else self.shared_experts(x)
+    def shared_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The multiplier of the shared experts' output for ``x`` ([..., 1], in the run dtype), or None: 1."""
+        return None
 
-    def shared_scale(self, flat: torch.Tensor) -> torch.Tensor:
-        """The one-row step's multiplier of the shared experts' output ([1]): 1 here."""
-        return torch.ones(1)
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What the shared experts add to the routed sum for ``x`` (their output times ``shared_gate``), or None."""
+        mlp = self.shared_module()
+        if mlp is None:
+            return None
+        gate = self.shared_gate(x)
+        return mlp(x) if gate is None else gate * mlp(x)
 
     def _row_weights(self, x: torch.Tensor, out: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
         """{expert: (gate|up weight, down weight)} for ``gemv.experts_kernel``, or None where a one-row

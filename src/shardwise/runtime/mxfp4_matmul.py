@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.errors import ShardwiseError
-from shardwise.runtime import cpp_ops, gemv
-from shardwise.runtime.int_matmul import GEMM_ROWS, SOURCE
+from shardwise.runtime import cpp_ops
+from shardwise.runtime.int_matmul import SOURCE, kernel_rows, runs_as_gemm
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, check_blocks_scales
 
 _BYTES_PER_BLOCK = BLOCK_SIZE // 2
@@ -91,8 +91,7 @@ def mxfp4_matmul(
     op = _packed_kernel(rows, blocks)
     if op is None:
         return F.linear(x, decode(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
-    rows = (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()
-    y = op(rows, blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype)
+    y = op(kernel_rows(rows), blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype)
     y = y.view(*x.shape[:-1], blocks.shape[0])
     return y if bias is None else y + bias.to(x.dtype)
 
@@ -102,7 +101,7 @@ def _packed_kernel(rows: torch.Tensor, blocks: torch.Tensor):
     else None: not an AVX-512 CPU or no compiler, another device or dtype, non-contiguous blocks, or a pass of
     ``GEMM_ROWS`` or more rows outside ``exact.row_blocked()`` (one dense product is faster there)."""
     if (rows.device.type != "cpu" or rows.dtype not in (torch.float32, torch.bfloat16) or not blocks.is_contiguous()
-            or (rows.shape[0] >= GEMM_ROWS and gemv.applies(rows))
+            or runs_as_gemm(rows)
             or torch.backends.cpu.get_cpu_capability() != "AVX512"):
         return None
     return cpp_ops.optional_op(SOURCE, "shardwise_int", "int_matmul")

@@ -130,15 +130,9 @@ class GatedSharedExpertMoE(SparseMoE):
     def shared_module(self) -> DenseMLP | None:
         return self.shared_expert
 
-    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.shared_expert is None:
-            return None
-        shared = self.shared_expert(x)
-        return shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
-
-    def shared_scale(self, flat: torch.Tensor) -> torch.Tensor:
-        """``sigmoid(shared_expert_gate · x)`` of the one row, in the run dtype (as ``shared_output`` rounds it)."""
-        return torch.ones(1) if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(flat))[0]
+    def shared_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``sigmoid(shared_expert_gate · x)`` ([..., 1], in the run dtype), or None without the gate."""
+        return None if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x))
 
 
 def layer_prefix(layer: LayerSpec) -> str:
