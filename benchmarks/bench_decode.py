@@ -12,8 +12,11 @@ All figures come from this one run on this machine, so the ratios are what to re
    (bytes read + written, write-allocate not counted), and the one-row product (``torch.mv``
    and the runtime's ``gemv.mv``, the array as a [16384, 4096] weight) — measured before every
    round and the best of the run kept, because a shared host's bandwidth moves during a run (one
-   run here read 25-45 GB/s at different moments; each round's share of the sample taken just
-   before it is printed too, for tp=1 and the int rows). Decode streams weights it only reads, so the
+   run here read 25-45 GB/s at different moments, another 33-36 and bursts of 47-62). So each timed
+   decode (shardwise tp=1, int8, int4, llama.cpp) is also held against the read bandwidth of its own
+   moment (``ReadProbe``: ``sum`` / one-row product over 256 MB, ~0.1 s, just before and just after it,
+   the higher kept): each run's share and the best are printed beside the best-sample share. Decode
+   streams weights it only reads, so the
    ceiling is the best read bandwidth (``sum`` or a product) over the weight bytes one token reads
    (every layer's weights and the LM head; the embedding reads one row; the KV cache at
    this context is < 0.1 % and left out); the triad ceiling is printed next to it.
@@ -68,9 +71,9 @@ SHORT_BECAUSE = (
     "short because llama.cpp rounds each block of 32 activations to int8 and multiplies int8 by int8 "
     "(VNNI dot products, 64 multiply-adds per instruction), while shardwise keeps the activations as they are "
     "(within 1e-7 of the dequantized product) and turns every weight into a float (float32 rows) or a "
-    "bfloat16 (bfloat16 rows, 32 products per vdpbf16ps) in registers; with weights in cache that unpacking "
-    "bounds its kernel, from memory it reads its packed rows at ~80% of a plain streaming loop's rate "
-    "(int4, 2 threads, AMD EPYC VM: 26-28 vs 33-34 GB/s side by side; with the unpacking removed no faster)"
+    "bfloat16 (bfloat16 rows, 32 products per vdpbf16ps) in registers: its kernel is bound by those "
+    "instructions, not by memory (int4, bfloat16 rows, 2 threads, AMD EPYC VM: 23-25 GB/s of packed rows "
+    "while sum() reads 55-60 GB/s, about its rate from cache; 18-21 while sum() reads 31-33)"
 )
 """Why shardwise's int kernel trails llama.cpp's at the same format, printed beside a ratio below 1."""
 
@@ -131,6 +134,48 @@ def stream_gbps(threads: int, numel: int = 64 * 1024 * 1024, passes: int = 5) ->
     return best
 
 
+class ReadProbe:
+    """Read bandwidth (GB/s) of this moment in ~0.1 s: the better of ``sum`` and ``gemv.mv`` over one 256 MB
+    float32 array in huge pages (as the loader holds weights; 4 KB pages where the host gives none), best of two
+    passes. Taken just before and just after each timed decode (``around``), so that run's share of its
+    roofline is held against the bandwidth of its own moment: on a shared host it moves by 2x within a minute
+    (this VM: 33-36 GB/s ordinarily, 47-62 in bursts), and the best sample of a run can come from a burst
+    no decode saw."""
+
+    def __init__(self, numel: int = 64 * 1024 * 1024):
+        from shardwise.runtime import hugepages
+
+        memory = hugepages.arena(numel * 4)
+        self.array = torch.rand(numel) if memory is None else memory.view(torch.float32).uniform_()
+        self.x = torch.rand(4096)
+
+    def __call__(self) -> float:
+        from shardwise.runtime import gemv
+
+        size, weight, best = self.array.numel() * 4, self.array.view(-1, 4096), 0.0
+        for _ in range(2):
+            for read in (self.array.sum, lambda: gemv.mv(weight, self.x)):
+                t0 = time.perf_counter()
+                read()
+                best = max(best, size / (time.perf_counter() - t0) / 1e9)
+        return best
+
+
+def around(probe: ReadProbe, run) -> tuple[float, float]:
+    """(``run()``'s tok/s, the read GB/s of its moment: the higher of ``probe()`` just before and just after)."""
+    before = probe()
+    rate = run()
+    return rate, max(before, probe())
+
+
+def paired_shares(runs: list[tuple[float, float]], nbytes: int) -> str:
+    """Each run's share of the roofline of its own moment (tok/s x ``nbytes`` per token / that moment's GB/s)
+    and the best of them, as a line's tail."""
+    shares = [100 * rate * nbytes / (gbps * 1e9) for rate, gbps in runs]
+    return (f"{max(shares):.0f}% against the bandwidth of its moment (each run: "
+            f"{', '.join(f'{p:.0f}% at {g:.1f} GB/s' for p, (_, g) in zip(shares, runs))})")
+
+
 def best_of(samples: list[dict[str, float]]) -> dict[str, float]:
     """Per kind, the best GB/s of several ``stream_gbps`` samples."""
     return {k: max(s[k] for s in samples) for k in samples[0]}
@@ -151,8 +196,10 @@ def token_bytes(folder: Path, itemsize: int) -> int:
     return total
 
 
-def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dtype: str) -> tuple[float, float]:
-    """Decode tok/s as shipped (one-row GEMVs) and with ``exact=True`` (row-invariant products)."""
+def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dtype: str,
+                  probe: ReadProbe) -> tuple[tuple[float, float], float]:
+    """((decode tok/s as shipped (one-row GEMVs), its moment's read GB/s), tok/s with ``exact=True``
+    (row-invariant products))."""
     from shardwise.plan import ParallelPlan
     from shardwise.runtime.generate import generate
     from shardwise.runtime.loader import load_shard, load_spec
@@ -162,16 +209,17 @@ def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dt
     model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, dtype, max_seq_len=len(prompt) + tokens)
     load_shard(model, folder)
     generate(model, prompt, 4)  # warm-up
-    shipped = generate(model, prompt, tokens).decode_tok_per_s
+    shipped = around(probe, lambda: generate(model, prompt, tokens).decode_tok_per_s)
     blocked = generate(model, prompt, tokens, exact=True).decode_tok_per_s
     del model
     gc.collect()
     return shipped, blocked
 
 
-def shardwise_int(folder: Path, fmt: str, prompt: list[int], tokens: int, threads: int, dtype: str) -> tuple[float, int]:
-    """(decode tok/s, weight bytes one token reads) of the checkpoint quantized to ``fmt``, LM head included
-    (written once beside the float one), run at tp=1 with ``dtype`` activations."""
+def shardwise_int(folder: Path, fmt: str, prompt: list[int], tokens: int, threads: int, dtype: str,
+                  probe: ReadProbe) -> tuple[tuple[float, float], int]:
+    """((decode tok/s, its moment's read GB/s), weight bytes one token reads) of the checkpoint quantized to
+    ``fmt``, LM head included (written once beside the float one), run at tp=1 with ``dtype`` activations."""
     from shardwise.plan import ParallelPlan
     from shardwise.runtime.generate import generate
     from shardwise.runtime.loader import load_shard, load_spec
@@ -189,7 +237,7 @@ def shardwise_int(folder: Path, fmt: str, prompt: list[int], tokens: int, thread
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
     nbytes += embed.shape[1] * embed.element_size()  # one embedding row per token
     generate(model, prompt, 4)  # warm-up
-    rate = generate(model, prompt, tokens).decode_tok_per_s
+    rate = around(probe, lambda: generate(model, prompt, tokens).decode_tok_per_s)
     del model
     gc.collect()
     return rate, nbytes
@@ -270,21 +318,25 @@ def gguf_token_bytes(path: Path) -> int:
     return total
 
 
-def llama_cpp_rate(path: Path, prompt: list[int], tokens: int, threads: int) -> float:
-    """llama.cpp's decode tok/s on one GGUF: the prompt evaluated, then ``tokens`` single-token
-    evaluations timed (one forward and its logits each, as a decode step; no sampling)."""
+def llama_cpp_rate(path: Path, prompt: list[int], tokens: int, threads: int, probe: ReadProbe) -> tuple[float, float]:
+    """(llama.cpp's decode tok/s on one GGUF, its moment's read GB/s): the prompt evaluated, then ``tokens``
+    single-token evaluations timed (one forward and its logits each, as a decode step; no sampling)."""
     import llama_cpp
 
     llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + tokens + 8, n_threads=threads, n_threads_batch=threads,
                           n_batch=len(prompt), verbose=False)
     llm.eval(prompt)
     llm.eval([prompt[-1]])  # warm-up step
-    t0 = time.perf_counter()
-    for i in range(tokens):
-        llm.eval([prompt[i % len(prompt)]])
-    rate = tokens / (time.perf_counter() - t0)
+
+    def decode() -> float:
+        t0 = time.perf_counter()
+        for i in range(tokens):
+            llm.eval([prompt[i % len(prompt)]])
+        return tokens / (time.perf_counter() - t0)
+
+    timed = around(probe, decode)
     llm.close()
-    return rate
+    return timed
 
 
 def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, trace: bool, dtype: str,
@@ -311,27 +363,29 @@ def main() -> None:
     weight_bytes = token_bytes(folder, 2 if args.dtype == "bfloat16" else 4)
     samples = [stream_gbps(args.threads)]
     ggufs = {} if args.no_llama_cpp else llama_cpp_files(folder)
-    ours, exact, theirs = [], [], []
-    peer: dict[str, list[float]] = {fmt: [] for fmt in ggufs}
-    ints: dict[str, list[float]] = {"int8": [], "int4": []}
+    ours: list[tuple[float, float]] = []  # (tok/s, GB/s of its moment) per round
+    exact, theirs = [], []
+    peer: dict[str, list[tuple[float, float]]] = {fmt: [] for fmt in ggufs}
+    ints: dict[str, list[tuple[float, float]]] = {"int8": [], "int4": []}
     int_bytes: dict[str, int] = {}
+    probe = ReadProbe()
     for i in range(args.rounds):
         if i:
             samples.append(stream_gbps(args.threads))
-        shipped, blocked = shardwise_tp1(folder, prompt, args.tokens, args.threads, args.dtype)
+        shipped, blocked = shardwise_tp1(folder, prompt, args.tokens, args.threads, args.dtype, probe)
         ours.append(shipped)
         exact.append(blocked)
         theirs.append(transformers_rate(folder, prompt, args.tokens, args.threads, args.dtype))
         for fmt in ints:
-            rate, int_bytes[fmt] = shardwise_int(folder, fmt, prompt, args.tokens, args.threads, args.dtype)
-            ints[fmt].append(rate)
+            timed, int_bytes[fmt] = shardwise_int(folder, fmt, prompt, args.tokens, args.threads, args.dtype, probe)
+            ints[fmt].append(timed)
         for fmt, path in ggufs.items():
-            peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads))
+            peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads, probe))
     half = max(1, args.threads // 2)
     tp2 = {name: shardwise_tp2(folder, prompt, args.tokens, half, False, args.dtype, name)[0]["tok_per_s"]
            for name in ("builtin", "shm")}
     traced = shardwise_tp2(folder, prompt, min(args.tokens, 12), half, True, args.dtype, "shm")
-    best, padded, hf = max(ours), max(exact), max(theirs)
+    best, padded, hf = max(rate for rate, _ in ours), max(exact), max(theirs)
     bw = best_of(samples)
     read = max(bw["read"], bw["product"])
     ceiling = read * 1e9 / weight_bytes
@@ -340,36 +394,32 @@ def main() -> None:
     spread = ", ".join(f"{max(s['read'], s['product']):.1f}" for s in samples)
     print(f"memory bandwidth (best of {len(samples)} samples: {spread}): read {bw['read']:.1f} GB/s, one-row product "
           f"{bw['product']:.1f}, copy {bw['copy']:.1f}, triad {bw['triad']:.1f} -> roofline {ceiling:.2f} tok/s "
-          f"(triad: {bw['triad'] * 1e9 / weight_bytes:.2f})")
-    print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in ours)}), as shipped")
+          f"(triad: {bw['triad'] * 1e9 / weight_bytes:.2f}); each decode's own moment: ReadProbe just before and after")
+    print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped")
     print(f"  exact=True     {padded:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in exact)}), row-invariant products")
     print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
     print(f"shardwise / transformers = {best / hf:.2f}x ({padded / hf:.2f}x with exact=True); "
-          f"shardwise / roofline = {100 * best / ceiling:.0f}% ({100 * padded / ceiling:.0f}%)")
-    paired = [100 * rate * weight_bytes / (max(s["read"], s["product"]) * 1e9) for rate, s in zip(ours, samples)]
-    print(f"  each round against the bandwidth sampled just before it (the same moment): "
-          f"{', '.join(f'{p:.0f}%' for p in paired)}")
-    for fmt, rates in ints.items():
-        roof = read * 1e9 / int_bytes[fmt]
-        own = [100 * rate * int_bytes[fmt] / (max(s["read"], s["product"]) * 1e9) for rate, s in zip(rates, samples)]
+          f"shardwise / roofline = {100 * best / ceiling:.0f}% of the best sample's ({100 * padded / ceiling:.0f}%), "
+          f"{paired_shares(ours, weight_bytes)}")
+    for fmt, runs in ints.items():
+        rates = [rate for rate, _ in runs]
         print(f"shardwise {fmt:5s} {max(rates):6.2f} tok/s  ({int_bytes[fmt] / 1e9:.2f} GB per token, "
-              f"{100 * max(rates) / roof:.0f}% of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}, "
-              f"against the bandwidth sampled at each round's start {', '.join(f'{p:.0f}%' for p in own)}), "
-              f"{args.dtype} activations")
+              f"{100 * max(rates) * int_bytes[fmt] / (read * 1e9):.0f}% of the best sample's roofline, "
+              f"{paired_shares(runs, int_bytes[fmt])}), {args.dtype} activations")
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
     int_of = {"Q8_0": "int8", "Q4_0": "int4"}
-    for fmt, rates in peer.items():
-        nbytes = gguf_token_bytes(ggufs[fmt])
-        roof = read * 1e9 / nbytes
+    for fmt, runs in peer.items():
+        nbytes, rate = gguf_token_bytes(ggufs[fmt]), max(r for r, _ in runs)
         if dtype_of.get(fmt) == args.dtype:
-            versus = f"shardwise {args.dtype} / llama.cpp = {best / max(rates):.2f}x"
+            versus = f"shardwise {args.dtype} / llama.cpp = {best / rate:.2f}x"
         elif fmt in dtype_of:
             versus = f"shardwise at {fmt}: run --dtype {dtype_of[fmt]}"
         else:
-            ratio = max(ints[int_of[fmt]]) / max(rates)
+            ratio = max(r for r, _ in ints[int_of[fmt]]) / rate
             versus = f"shardwise {int_of[fmt]} / llama.cpp = {ratio:.2f}x" + (f" ({SHORT_BECAUSE})" if ratio < 1 else "")
-        print(f"llama.cpp {fmt:5s} {max(rates):6.2f} tok/s  ({nbytes / 1e9:.2f} GB per token, {100 * max(rates) / roof:.0f}% "
-              f"of its roofline; rounds {', '.join(f'{x:.2f}' for x in rates)}); {versus}")
+        print(f"llama.cpp {fmt:5s} {rate:6.2f} tok/s  ({nbytes / 1e9:.2f} GB per token, "
+              f"{100 * rate * nbytes / (read * 1e9):.0f}% of the best sample's roofline, {paired_shares(runs, nbytes)}); "
+              f"{versus}")
     for name, rate in tp2.items():
         print(f"shardwise tp=2   {rate:6.2f} tok/s  ({half} thread(s) per rank, --allreduce {name}) = {rate / best:.2f}x tp=1")
     from shardwise.runtime.trace import summarize
@@ -382,9 +432,9 @@ def main() -> None:
                           for k in ("compute_s", "comm_s", "wait_s", "sync_s", "other_s"))
         print(f"  rank {r['rank']}: step {step * 1e3:.1f} ms = {parts}")
     print(json.dumps({"roofline_tok_per_s": ceiling, "bandwidth_gbps": bw, "bandwidth_samples": samples, "shardwise_tp1": best,
-                      "shardwise_tp1_exact": padded, "transformers": hf, "shardwise_tp2": tp2,
-                      "shardwise_int": {fmt: max(rates) for fmt, rates in ints.items()}, "int_token_bytes": int_bytes,
-                      "llama_cpp": {fmt: max(rates) for fmt, rates in peer.items()}, "trace_ranks": summary["ranks"]}))
+                      "shardwise_tp1_runs": ours, "shardwise_tp1_exact": padded, "transformers": hf, "shardwise_tp2": tp2,
+                      "shardwise_int": ints, "int_token_bytes": int_bytes,
+                      "llama_cpp": peer, "trace_ranks": summary["ranks"]}))
 
 
 if __name__ == "__main__":
