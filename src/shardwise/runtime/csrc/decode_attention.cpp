@@ -15,9 +15,10 @@
 // threads, 16 heads / 4 KV heads of 128, its flash kernel took 36 / 139 / 5183 us in float32 and 172 /
 // 1772 / 15367 us in bfloat16 at 64 / 512 / 4096 keys (an eager matmul-softmax-matmul: 60 / 127 / 1862 and
 // 97 / 165 / 1060): at long context a decode step spent more time in attention than reading the weights.
-// Threads split (batch row, KV head, 256-key block) for the scores and (batch row, KV head, 64 value lanes)
-// for the outputs; each KV head's keys and values are read from memory once for all g of its query heads
-// (a block of 256 rows stays in cache while the heads pass over it, 4 at a time for the values). Against
+// Threads split (batch row, KV head, 256-key block) for the scores and (batch row, KV head, value lanes: whole
+// rows, or halves where that leaves fewer tasks than threads) for the outputs; each KV head's keys and values
+// are read from memory once for all g of its query heads (a block of 256 rows stays in cache while the heads
+// pass over it, 2 at a time for the values). Against
 // the previous form of this file (one key at a time, each score's lanes reduced alone, one 16-lane value
 // slice per task), side by side, two threads, same VM: 16 / 4 heads of 128, bfloat16, 21 / 200 / 1000 /
 // 4096 keys: 21 / 48 / 191 / 726 -> 14 / 32 / 117 / 448 us; float32 17 / 45 / 187 / 775 -> 16 / 38 / 148 /
@@ -50,8 +51,8 @@
 namespace {
 
 constexpr int64_t kKeyBlock = 256;  // keys per scoring task
-constexpr int64_t kValueHeads = 4;  // query heads sharing one pass over a KV head's value rows (accumulators)
-constexpr int64_t kLanes = 4;       // 16-lane slices of the value rows one task sums (kValueHeads x kLanes registers)
+constexpr int64_t kValueHeads = 2;  // query heads sharing one pass over a KV head's value rows (accumulators)
+constexpr int64_t kLanes = 8;       // 16-lane slices of the value rows one task sums (kValueHeads x kLanes registers)
 constexpr int64_t kInlineWork = 1 << 17;  // multiply-adds (B H L dk) below which one thread runs a call
 
 // 16 elements from p as float32 (the first `n` of them; the rest zero).
@@ -122,9 +123,10 @@ void score_keys(const Q* q, const T* k, int64_t ks2, int64_t dk, int64_t g, int6
 // `width` value lanes from there), one fused multiply-add chain per slice. value_tile: N heads by NL slices with
 // compile-time bounds, so the accumulators stay in registers (with runtime bounds they lived in a stack array);
 // the same operations in the same order, so the same bits. 2 threads, 16 / 4 heads of 128, this AMD EPYC VM: the
-// value pass at 4096 bfloat16 keys in cache ~430 -> ~270 us; the whole op with 10 layers' caches cycled (from
-// memory), side by side, bfloat16 512 / 4096 keys 132-148 / 1033-1092 -> 113-129 / 916-943 us, float32 195-236 /
-// 1615-1764 -> 157-163 / 1556-1574 us.
+// value pass at 4096 bfloat16 keys in cache ~430 -> ~270 us (4 heads x 4 slices, half rows per task). With whole
+// rows per task (2 heads x 8 slices) the whole op with 10 layers' caches cycled (from memory), side by side
+// against the runtime-bounded half-row form: bfloat16 41 / 512 / 4096 keys 24-26 / 154-156 / 964-986 -> 20-21 /
+// 131-139 / 752-794 us, float32 31 / 235-247 / 1478-1619 -> 23-26 / 191-210 / 1092-1176 us; the same bits.
 template <int N, int NL, class T>
 inline void value_tile(const float* ph, int64_t L, const T* vr, int64_t vs2, int64_t j0, int64_t j1, int64_t width,
                        float* acc_out) {
@@ -151,18 +153,18 @@ void value_lanes(int64_t nl, const float* ph, int64_t L, const T* vr, int64_t vs
     case 1: return value_tile<N, 1>(ph, L, vr, vs2, j0, j1, width, acc);
     case 2: return value_tile<N, 2>(ph, L, vr, vs2, j0, j1, width, acc);
     case 3: return value_tile<N, 3>(ph, L, vr, vs2, j0, j1, width, acc);
+    case 4: return value_tile<N, 4>(ph, L, vr, vs2, j0, j1, width, acc);
+    case 5: return value_tile<N, 5>(ph, L, vr, vs2, j0, j1, width, acc);
+    case 6: return value_tile<N, 6>(ph, L, vr, vs2, j0, j1, width, acc);
+    case 7: return value_tile<N, 7>(ph, L, vr, vs2, j0, j1, width, acc);
     default: return value_tile<N, kLanes>(ph, L, vr, vs2, j0, j1, width, acc);
   }
 }
 template <class T>
 void value_pass(int64_t n, int64_t nl, const float* ph, int64_t L, const T* vr, int64_t vs2, int64_t j0, int64_t j1,
                 int64_t width, float* acc) {
-  switch (n) {
-    case 1: return value_lanes<1>(nl, ph, L, vr, vs2, j0, j1, width, acc);
-    case 2: return value_lanes<2>(nl, ph, L, vr, vs2, j0, j1, width, acc);
-    case 3: return value_lanes<3>(nl, ph, L, vr, vs2, j0, j1, width, acc);
-    default: return value_lanes<kValueHeads>(nl, ph, L, vr, vs2, j0, j1, width, acc);
-  }
+  if (n == 1) return value_lanes<1>(nl, ph, L, vr, vs2, j0, j1, width, acc);
+  return value_lanes<kValueHeads>(nl, ph, L, vr, vs2, j0, j1, width, acc);
 }
 
 template <class T>
@@ -202,11 +204,15 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const float* pp = probs.data_ptr<float>();
   at::Tensor out = at::empty({B, 1, H * dv}, q.options());
   T* op = reinterpret_cast<T*>(out.data_ptr());
-  const int64_t lanes = (dv + 15) / 16, quads = (lanes + kLanes - 1) / kLanes;
-  at::parallel_for(0, B * KV * quads, inline_call ? B * KV * quads : 1, [&](int64_t t0, int64_t t1) {
+  // A task's 16-lane slices of the value rows: whole rows up to kLanes slices (each row read once, in full: on this
+  // VM two tasks each streaming half of every row ran 2-3x slower than one streaming whole rows), halves where
+  // that would leave fewer tasks than threads.
+  const int64_t lanes = (dv + 15) / 16, per_task = B * KV >= at::get_num_threads() ? kLanes : kLanes / 2;
+  const int64_t slices = (lanes + per_task - 1) / per_task;
+  at::parallel_for(0, B * KV * slices, inline_call ? B * KV * slices : 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (KV * quads), kvh = t / quads % KV, e0 = t % quads * kLanes * 16;
-      const int64_t nl = std::min<int64_t>(kLanes, (dv - e0 + 15) / 16);  // 16-lane slices of this task
+      const int64_t b = t / (KV * slices), kvh = t / slices % KV, e0 = t % slices * per_task * 16;
+      const int64_t nl = std::min<int64_t>(per_task, (dv - e0 + 15) / 16);  // 16-lane slices of this task
       std::vector<float> sums(g * kLanes * 16, 0.f);  // each head's slices, carried across key blocks
       for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {  // a block of value rows stays in cache for all g heads
         const int64_t j1 = std::min(L, j0 + kKeyBlock);
@@ -219,7 +225,7 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       }
       for (int64_t h = 0; h < g; ++h) {
         T* dst = op + b * H * dv + (kvh * g + h) * dv + e0;
-        for (int64_t e = 0; e < std::min<int64_t>(kLanes * 16, dv - e0); ++e) dst[e] = static_cast<T>(sums[h * kLanes * 16 + e]);
+        for (int64_t e = 0; e < std::min<int64_t>(per_task * 16, dv - e0); ++e) dst[e] = static_cast<T>(sums[h * kLanes * 16 + e]);
       }
     }
   });
