@@ -18,8 +18,9 @@ All figures come from this one run on this machine, so the ratios are what to re
    the higher kept): each run's share and the best are printed beside the best-sample share. Decode
    streams weights it only reads, so the
    ceiling is the best read bandwidth (``sum`` or a product) over the weight bytes one token reads
-   (every layer's weights and the LM head; the embedding reads one row; the KV cache at
-   this context is < 0.1 % and left out); the triad ceiling is printed next to it.
+   (every layer's weights and the LM head; the embedding reads one row) plus the KV cache it reads at the
+   decode's mean context (``cache_bytes``: shardwise's in the run dtype, llama.cpp's in its default F16; < 0.1 %
+   at the default prompt, 6 % at 3000 tokens); the triad ceiling is printed next to it.
 2. **shardwise tp=1**: ``generate`` in this process (greedy, static KV cache), decode tok/s,
    as shipped (plain one-row GEMVs) and with ``exact=True`` (row-invariant products: the
    compiled fixed-order float32 / AMX bfloat16 kernels of ``runtime.exact``; the numerics
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -183,18 +185,18 @@ def best_of(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 def token_bytes(folder: Path, itemsize: int) -> int:
-    """Weight bytes one decode token reads at ``itemsize`` bytes per weight: everything but the
-    embedding table (one row of it)."""
+    """Weight bytes one decode token reads at ``itemsize`` bytes per weight: all but the embedding (one row of it)."""
     from shardwise.runtime.loader import load_spec
 
-    spec = load_spec(folder)
-    total = 0
-    for t in spec.tensors():
-        numel = 1
-        for s in t.shape:
-            numel *= s
-        total += numel * itemsize if t.name != "model.embed_tokens.weight" else t.shape[1] * itemsize
-    return total
+    embedding = "model.embed_tokens.weight"
+    return itemsize * sum(math.prod(t.shape) if t.name != embedding else t.shape[1] for t in load_spec(folder).tensors())
+
+
+def cache_bytes(prompt: int, tokens: int, itemsize: int) -> int:
+    """KV cache bytes one decode token reads, on average over ``tokens`` new tokens after a ``prompt``: every
+    layer's keys and values (KV heads x head_dim) at each position before it, ``itemsize`` bytes each."""
+    per_position = CONFIG["num_hidden_layers"] * 2 * CONFIG["num_key_value_heads"] * CONFIG["head_dim"] * itemsize
+    return round((prompt + (tokens + 1) / 2) * per_position)
 
 
 def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dtype: str,
@@ -361,7 +363,8 @@ def main() -> None:
     args = parser.parse_args()
     folder = checkpoint()
     prompt = [(7 * i + 3) % CONFIG["vocab_size"] for i in range(args.prompt)]
-    weight_bytes = token_bytes(folder, 2 if args.dtype == "bfloat16" else 4)
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    weight_bytes = token_bytes(folder, itemsize) + cache_bytes(args.prompt, args.tokens, itemsize)
     samples = [stream_gbps(args.threads)]
     ggufs = {} if args.no_llama_cpp else llama_cpp_files(folder)
     ours: list[tuple[float, float]] = []  # (tok/s, GB/s of its moment) per round
@@ -380,7 +383,8 @@ def main() -> None:
         shm.append(shardwise_tp2(folder, prompt, args.tokens, half, False, args.dtype, "shm")[0]["tok_per_s"])
         theirs.append(transformers_rate(folder, prompt, args.tokens, args.threads, args.dtype))
         for fmt in ints:
-            timed, int_bytes[fmt] = shardwise_int(folder, fmt, prompt, args.tokens, args.threads, args.dtype, probe)
+            timed, nbytes = shardwise_int(folder, fmt, prompt, args.tokens, args.threads, args.dtype, probe)
+            int_bytes[fmt] = nbytes + cache_bytes(args.prompt, args.tokens, itemsize)
             ints[fmt].append(timed)
         for fmt, path in ggufs.items():
             peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads, probe))
@@ -391,8 +395,8 @@ def main() -> None:
     bw = best_of(samples)
     read = max(bw["read"], bw["product"])
     ceiling = read * 1e9 / weight_bytes
-    print(f"llama 2048x10 {args.dtype}, {weight_bytes / 1e9:.2f} GB read per token, prompt {args.prompt}, "
-          f"tg{args.tokens}, {args.threads} thread(s)")
+    print(f"llama 2048x10 {args.dtype}, {weight_bytes / 1e9:.2f} GB read per token (KV cache included), "
+          f"prompt {args.prompt}, tg{args.tokens}, {args.threads} thread(s)")
     spread = ", ".join(f"{max(s['read'], s['product']):.1f}" for s in samples)
     print(f"memory bandwidth (best of {len(samples)} samples: {spread}): read {bw['read']:.1f} GB/s, one-row product "
           f"{bw['product']:.1f}, copy {bw['copy']:.1f}, triad {bw['triad']:.1f} -> roofline {ceiling:.2f} tok/s "
@@ -411,7 +415,7 @@ def main() -> None:
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
     int_of = {"Q8_0": "int8", "Q4_0": "int4"}
     for fmt, runs in peer.items():
-        nbytes, rate = gguf_token_bytes(ggufs[fmt]), max(r for r, _ in runs)
+        nbytes, rate = gguf_token_bytes(ggufs[fmt]) + cache_bytes(args.prompt, args.tokens, 2), max(r for r, _ in runs)
         if dtype_of.get(fmt) == args.dtype:
             versus = f"shardwise {args.dtype} / llama.cpp = {best / rate:.2f}x"
         elif fmt in dtype_of:
