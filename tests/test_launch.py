@@ -123,6 +123,33 @@ def test_launch_returns_results_in_rank_order_with_context():
     assert _rank_children() == []
 
 
+def _send_tensor_and_exit(conn) -> None:
+    from shardwise.runtime import launch
+
+    launch._send(conn, ("ok", {"next": torch.arange(6.0).view(2, 3)}))
+    conn.close()
+
+
+def test_a_tensor_result_is_read_after_its_rank_exited():
+    """The launcher may read a rank's result after that rank exited (a busy host): tensors must travel by
+    value, not as torch shared memory fetched from the sender (lost then: "exited ... without returning")."""
+    import multiprocessing
+
+    from shardwise.runtime.launch import _Supervisor
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_send_tensor_and_exit, args=(send,))
+    proc.start()
+    send.close()
+    proc.join(LIMIT_S)
+    assert proc.exitcode == 0
+    supervisor = _Supervisor([proc], [receive], [None])
+    supervisor._drain(0)
+    assert supervisor.returned == [True] and supervisor.reported == {}
+    assert torch.equal(supervisor.results[0]["next"], torch.arange(6.0).view(2, 3))
+
+
 def _expect_failure(tmp: Path, world_size: int, mode: str, **kwargs) -> tuple[RankFailure, float]:
     """Run ``_failing_worker``; return the error and the time (s) from failure to raise."""
     with pytest.raises(RankFailure) as info:

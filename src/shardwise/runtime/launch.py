@@ -73,6 +73,13 @@ class RankFailure(ShardwiseError):
 _exit_lock = threading.Lock()  # one report leaves a rank: the main thread's or the watchdog's
 
 
+def _send(conn: Connection, message: tuple) -> None:
+    """``message`` to the launcher as one plain pickle: tensors travel by value. ``Connection.send`` pickles them
+    through torch's shared-memory reductions, whose file descriptors the launcher fetches from the sending
+    process: a result read after its rank exited was lost ("exited (exit code 0) without returning a result")."""
+    conn.send_bytes(pickle.dumps(message))
+
+
 def _name_process(rank: int) -> None:
     """Name this process ``shardwise-rR`` for ps/top (Linux only; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
@@ -88,7 +95,7 @@ def _report_and_exit(conn: Connection, message: tuple, stderr_text: str) -> None
     with _exit_lock:
         sys.stderr.write(stderr_text)
         try:
-            conn.send(message)
+            _send(conn, message)
         except (OSError, pickle.PicklingError):
             pass
         sys.stdout.flush()
@@ -105,7 +112,7 @@ def _watch_launcher(rank: int, parent_pid: int, ctl: Connection, conn: Connectio
             if conn.closed:  # the rank finished and is exiting
                 return
             try:
-                conn.send(("beat",))
+                _send(conn, ("beat",))
             except (OSError, ValueError):  # the launcher is gone
                 os._exit(1)
         try:
@@ -154,7 +161,7 @@ def _rank_main(
         init_from_env(backend, timeout_s=timeout_s)
         result = fn(rank, world_size, *args)
         with _exit_lock:
-            conn.send(("ok", result))
+            _send(conn, ("ok", result))
         dist.barrier()  # nobody tears down the store (rank 0) while others still use it
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
@@ -214,11 +221,15 @@ class _Supervisor:
         conn = self.open.get(rank)
         while conn is not None and conn.poll():
             try:
-                msg = conn.recv()
+                data = conn.recv_bytes()
             except (EOFError, OSError):
                 conn.close()
                 del self.open[rank]
                 return
+            try:
+                msg = pickle.loads(data)
+            except Exception as exc:  # noqa: BLE001 - e.g. a result of a class the launcher cannot import
+                msg = ("error", "own", f"its result could not be read here: {one_line(exc)}")
             if msg[0] == "beat":
                 self.last_beat[rank] = time.monotonic()
             elif msg[0] == "ok":
