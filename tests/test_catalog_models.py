@@ -102,6 +102,7 @@ ALIASED = {
     "DeepSeek-R1": "deepseek-r1",
     "DeepSeek V3.1": "deepseek-v3.1",
     "Llama 3.2 3B Instruct": "llama-3.2-3b-instruct",
+    "Qwen2.5-Coder-7B": "qwen2.5-coder-7b-instruct",
 }
 
 
@@ -126,6 +127,12 @@ def test_other_names_do_not_fall_into_the_new_aliases():
     assert match_alias("models", "deepseek-r1:7b")["key"] == "deepseek-r1-distill-qwen-7b"
     assert match_alias("models", "deepseek-r1:14b") is None  # a distill with no bundled config, not the 671B model
     assert match_alias("models", "deepseek-r1:671b")["key"] == "deepseek-r1"
+    assert match_alias("models", "deepseek-r1:8b")["key"] == "deepseek-r1-distill-llama-8b"
+    assert match_alias("models", "Phi-4-reasoning")["key"] == "phi-4"
+    assert match_alias("models", "phi4-mini") is None  # another model (3.8 B): not Phi-4's file
+    assert match_alias("models", "Mistral 7B")["key"] == "mistral-7b-v0.1"
+    assert match_alias("models", "mistral:7b")["key"] == "mistral-7b-instruct-v0.3"  # Ollama's tag is v0.3
+    assert match_alias("models", "Gemma 2 27B") is None  # no bundled config
     assert match_alias("models", "qwen2.5:0.5b")["key"] == "qwen2.5-0.5b"
 
 
