@@ -74,6 +74,29 @@ def test_12b_count_by_hand_matches_keras_hub_plus_its_64_extra_vocabulary_rows()
     assert total - 64 * h == 11_765_788_416  # keras-hub's gemma3_instruct_12b_text "params"
 
 
+@pytest.mark.parametrize("key,total", [("gemma-2-2b", 2_614_341_888), ("gemma-2-2b-it", 2_614_341_888),
+                                       ("gemma-2-9b-it", 9_241_705_984)])
+def test_gemma_2_counts_by_hand_match_keras_hub(key, total):
+    """Gemma 2: no q / k norms, four norms a layer, sliding and full layers alternating from a sliding
+    layer 0; keras-hub's gemma2 presets give 2,614,341,888 and 9,241,705,984 "params" (code index file ids
+    401604204, 123073332)."""
+    cfg = config(key)
+    h, n, heads, kv, hd = (cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim"))
+    m = load_model(key)
+    assert m.family == "gemma2" and m.tie_word_embeddings
+    assert m.total_params == cfg["vocab_size"] * h + h + n * gemma_layer(h, heads, kv, hd, cfg["intermediate_size"], False) == total
+    assert [layer.attention for layer in m.layers[:4]] == ["sliding", "gqa", "sliding", "gqa"]
+
+
+def test_27b_count_by_hand():
+    text = config("gemma-3-27b-it")["text_config"]
+    h, n = text["hidden_size"], text["num_hidden_layers"]
+    assert (h, n, text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (5376, 62, 32, 16, 128)
+    total = 262208 * h + h + n * gemma_layer(h, 32, 16, 128, text["intermediate_size"])
+    assert load_model("gemma-3-27b-it").total_params == total == 27_009_346_304
+
+
 def test_kv_cache_by_hand_caps_the_sliding_layers_at_the_window():
     """1B: 26 layers, 4 full (5, 11, 17, 23) and 22 sliding at 512 tokens; each layer keeps K and V of
     one KV head of 256 in bf16 (2 bytes): 1024 bytes a token."""
@@ -92,7 +115,10 @@ def test_names_resolve_to_the_bundled_sizes_only():
     assert match_alias("models", "gemma3")["key"] == "gemma-3-4b-it"  # Ollama's default tag is the 4B
     assert match_alias("models", "gemma3:1b")["key"] == "gemma-3-1b-it"
     assert match_alias("models", "gemma3:12b")["key"] == "gemma-3-12b-it"
-    for other in ("Gemma 3 27B", "gemma3:27b", "gemma2:9b", "gemma3:270m"):
+    assert match_alias("models", "gemma3:27b")["key"] == "gemma-3-27b-it"
+    assert match_alias("models", "gemma2:9b")["key"] == "gemma-2-9b-it"
+    assert match_alias("models", "Gemma 2 2B")["key"] == "gemma-2-2b"
+    for other in ("Gemma 2 27B", "gemma2:27b", "gemma3:270m"):
         assert match_alias("models", other) is None, other  # no bundled config: unresolved, not guessed
 
 

@@ -44,6 +44,17 @@ def test_count_by_hand_matches_the_published_3_8b():
     assert m.active_params == total - v * h
 
 
+def test_phi_4_count_by_hand_matches_its_gguf_parameter_count():
+    """Phi-4: 40 layers of hidden 5120, 40 query / 10 KV heads of 128, MLP 17920, vocab 100352, untied;
+    Ollama's phi4 GGUF gives ``general.parameter_count`` 14,659,507,200 (code index file id 366615949)."""
+    cfg = json.loads(MODELS.joinpath("phi-4.json").read_text())
+    h, n, inter, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    assert (h, n, inter, v, cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (5120, 40, 17920, 100352, 40, 10)
+    layer = (40 + 2 * 10) * 128 * h + 40 * 128 * h + 2 * inter * h + inter * h + 2 * h
+    m = load_model("phi-4")
+    assert m.family == "phi3" and m.total_params == 2 * v * h + h + n * layer == 14_659_507_200
+
+
 def test_tp_splits_each_fused_part_on_its_own():
     m = load_model(KEY)
     qkv, _, gate_up, _ = m.layers[0].tensors[:4]
@@ -69,7 +80,8 @@ def test_kv_cache_by_hand():
 def test_names_resolve_to_phi_3_5_mini_only():
     assert match_alias("models", "Phi-3.5-mini-instruct")["key"] == KEY
     assert match_alias("models", "phi3.5")["key"] == KEY  # Ollama's tag
-    for other in ("Phi-3-mini-4k-instruct", "phi4", "Phi-3.5-MoE-instruct", "phi3:14b"):
+    assert match_alias("models", "phi4")["key"] == "phi-4"
+    for other in ("Phi-3-mini-4k-instruct", "phi4-mini", "Phi-3.5-MoE-instruct", "phi3:14b"):
         assert match_alias("models", other) is None, other
 
 
