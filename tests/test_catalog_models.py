@@ -133,6 +133,10 @@ def test_other_names_do_not_fall_into_the_new_aliases():
     assert match_alias("models", "Mistral 7B")["key"] == "mistral-7b-v0.1"
     assert match_alias("models", "mistral:7b")["key"] == "mistral-7b-instruct-v0.3"  # Ollama's tag is v0.3
     assert match_alias("models", "Gemma 2 27B") is None  # no bundled config
+    assert match_alias("models", "GLM-4.5-Air")["key"] == "glm-4.5-air"
+    assert match_alias("models", "GLM-4.6")["key"] == "glm-4.5"  # same planned weights (aliases.toml's note)
+    assert match_alias("models", "GLM-4.5V") is None  # the vision model: another architecture
+    assert match_alias("models", "qwen3:4b")["key"] == "qwen3-4b"
     assert match_alias("models", "qwen2.5:0.5b")["key"] == "qwen2.5-0.5b"
 
 

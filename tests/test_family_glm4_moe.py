@@ -125,7 +125,8 @@ def test_kv_cache_by_hand():
 def test_air_shapes_count_by_hand():
     """GLM-4.5-Air's published shapes (hidden 4096, 46 layers, 96 q / 8 KV heads of 128, q/k/v biases,
     1 dense layer of 10944, 45 MoE layers of 128 experts of 1408 plus one shared, vocabulary 151552,
-    untied; not a bundled file): the count by hand, without the MTP layer."""
+    untied; built here from TINY: the bundled glm-4.5-air.json is held to its published total below): the count
+    by hand, without the MTP layer."""
     h, v, n, heads, kv, hd = 4096, 151552, 46, 96, 8, 128
     air = TINY | dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
                       head_dim=hd, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, n_group=1,
@@ -135,6 +136,28 @@ def test_air_shapes_count_by_hand():
     total = 2 * v * h + h + n * (attn + 2 * h) + 3 * h * 10944 + (n - 1) * moe
     spec = parse_config(air)
     assert spec.total_params == total == 106_852_251_264
+
+
+@pytest.mark.parametrize("key,published", [("glm-4.5", 358_337_791_296), ("glm-4.5-air", 110_468_824_832)])
+def test_bundled_files_plus_their_mtp_layer_are_the_published_tensor_counts(key, published):
+    """The bundled GLM-4.5 / -Air files: the planner's count (no MTP layer) plus the MTP layer by hand (one MoE
+    decoder layer, ``eh_proj`` [h, 2h], three norms, its own embedding and head) equals the tensor count public
+    records give for the Hub checkpoints (code index file ids 70911651117, 62221903014)."""
+    import json
+    from importlib import resources
+
+    from shardwise.spec.parse import load_model
+
+    c = json.loads(resources.files("shardwise.spec.catalog.models").joinpath(f"{key}.json").read_text())
+    names = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    h, v, heads, kv, hd = (c[k] for k in names)
+    experts, inter = c["n_routed_experts"], c["moe_intermediate_size"]
+    biases, qk_norms = heads * hd + 2 * kv * hd, 2 * hd if c["use_qk_norm"] else 0
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + biases + qk_norms
+    moe = experts * h + experts + (experts + c["n_shared_experts"]) * 3 * h * inter
+    mtp = attn + 2 * h + moe + 2 * h * h + 3 * h + 2 * v * h
+    assert c["num_nextn_predict_layers"] == 1
+    assert load_model(key).total_params + mtp == published
 
 
 def test_runtime_refuses_the_family():
