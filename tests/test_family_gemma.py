@@ -85,8 +85,8 @@ def test_gemma_2_counts_by_hand_match_keras_hub(key, total):
                                             "num_key_value_heads", "head_dim"))
     m = load_model(key)
     assert m.family == "gemma2" and m.tie_word_embeddings
-    layer = gemma_layer(h, heads, kv, hd, cfg["intermediate_size"], False)
-    assert m.total_params == cfg["vocab_size"] * h + h + n * layer == total
+    per_layer = gemma_layer(h, heads, kv, hd, cfg["intermediate_size"], False)
+    assert m.total_params == cfg["vocab_size"] * h + h + n * per_layer == total
     assert [layer.attention for layer in m.layers[:4]] == ["sliding", "gqa", "sliding", "gqa"]
 
 

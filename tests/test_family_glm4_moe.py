@@ -4,10 +4,13 @@ option on and off: q/k/v biases, q/k norms, shared experts, dense first layers, 
 layers are not counted (as for DeepSeek-V3), the router is kept in float32, the KV cache is priced
 by hand, bad values are one-line errors naming the field, and the runtime refuses the family."""
 
+import json
+from importlib import resources
+
 import pytest
 
 from shardwise.errors import ShardwiseError
-from shardwise.spec.parse import parse_config
+from shardwise.spec.parse import load_model, parse_config
 from shardwise.spec.tensors import ROUTED_EXPERTS, ROUTER
 
 torch = pytest.importorskip("torch")
@@ -122,6 +125,14 @@ def test_kv_cache_by_hand():
     assert spec.cache_bytes(131072, 2.0) == 188_416 * 131072
 
 
+def attention_and_moe_by_hand(h: int, heads: int, kv: int, hd: int, experts: int, shared: int, inter: int,
+                              qk_norm: bool) -> tuple[int, int]:
+    """One GLM layer's attention (q, k, v, o, the q/k/v biases, q/k norms over head_dim) and MoE (router and
+    its bias, routed and shared experts of gate, up, down) parameters, norms aside."""
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + heads * hd + 2 * kv * hd + (2 * hd if qk_norm else 0)
+    return attn, experts * h + experts + (experts + shared) * 3 * h * inter
+
+
 def test_air_shapes_count_by_hand():
     """GLM-4.5-Air's published shapes (hidden 4096, 46 layers, 96 q / 8 KV heads of 128, q/k/v biases,
     1 dense layer of 10944, 45 MoE layers of 128 experts of 1408 plus one shared, vocabulary 151552,
@@ -131,8 +142,7 @@ def test_air_shapes_count_by_hand():
     air = TINY | dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
                       head_dim=hd, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, n_group=1,
                       moe_intermediate_size=1408, intermediate_size=10944, vocab_size=v, use_qk_norm=False)
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + heads * hd + 2 * kv * hd
-    moe = 128 * h + 128 + 128 * 3 * h * 1408 + 3 * h * 1408
+    attn, moe = attention_and_moe_by_hand(h, heads, kv, hd, 128, 1, 1408, qk_norm=False)
     total = 2 * v * h + h + n * (attn + 2 * h) + 3 * h * 10944 + (n - 1) * moe
     spec = parse_config(air)
     assert spec.total_params == total == 106_852_251_264
@@ -143,18 +153,11 @@ def test_bundled_files_plus_their_mtp_layer_are_the_published_tensor_counts(key,
     """The bundled GLM-4.5 / -Air files: the planner's count (no MTP layer) plus the MTP layer by hand (one MoE
     decoder layer, ``eh_proj`` [h, 2h], three norms, its own embedding and head) equals the tensor count public
     records give for the Hub checkpoints (code index file ids 70911651117, 62221903014)."""
-    import json
-    from importlib import resources
-
-    from shardwise.spec.parse import load_model
-
     c = json.loads(resources.files("shardwise.spec.catalog.models").joinpath(f"{key}.json").read_text())
     names = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
     h, v, heads, kv, hd = (c[k] for k in names)
-    experts, inter = c["n_routed_experts"], c["moe_intermediate_size"]
-    biases, qk_norms = heads * hd + 2 * kv * hd, 2 * hd if c["use_qk_norm"] else 0
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + biases + qk_norms
-    moe = experts * h + experts + (experts + c["n_shared_experts"]) * 3 * h * inter
+    attn, moe = attention_and_moe_by_hand(h, heads, kv, hd, c["n_routed_experts"], c["n_shared_experts"],
+                                          c["moe_intermediate_size"], c["use_qk_norm"])
     mtp = attn + 2 * h + moe + 2 * h * h + 3 * h + 2 * v * h
     assert c["num_nextn_predict_layers"] == 1
     assert load_model(key).total_params + mtp == published
