@@ -71,6 +71,24 @@ def cpu_has(flag: str) -> bool:
     return os.path.exists("/proc/cpuinfo") and flag in open("/proc/cpuinfo").read().split()
 
 
+def launched_ranks(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the live rank processes ``launcher`` started (named ``shardwise-rR``): those its forkserver
+    forked (``runtime.rank_start``), or its own children."""
+    procs = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            comm = (stat.parent / "comm").read_text().strip()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] != "Z":
+            procs[int(stat.parent.name)] = (int(fields[1]), comm, cmdline)
+    parents = {launcher} | {pid for pid, (ppid, _, cmd) in procs.items() if ppid == launcher and b"forkserver" in cmd}
+    return {int(comm[len("shardwise-r"):]): pid for pid, (ppid, comm, _) in procs.items()
+            if ppid in parents and comm.startswith("shardwise-r")}
+
+
 def alive(pid: int) -> bool:
     """Is process ``pid`` running (not gone, not a zombie)?"""
     try:

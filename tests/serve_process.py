@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_argv, cli_env, free_port, plan_json
+from conftest import cli_argv, cli_env, free_port, launched_ranks, plan_json
 
 READY_S = 120.0  # a cold start imports torch and transformers and loads the shards
 
@@ -139,17 +139,10 @@ class ServeProcess:
 
     def rank_pid(self, rank: int) -> int:
         """PID of the rank process (the launcher names them ``shardwise-rR``)."""
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                comm = (entry / "comm").read_text().strip()
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if comm == f"shardwise-r{rank}" and ppid == self.proc.pid:
-                return int(entry.name)
-        raise AssertionError(f"no rank {rank} process under {self.proc.pid}")
+        pid = launched_ranks(self.proc.pid).get(rank)
+        if pid is None:
+            raise AssertionError(f"no rank {rank} process under {self.proc.pid}")
+        return pid
 
     def rss_bytes(self, pid: int) -> int:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

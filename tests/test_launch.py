@@ -44,17 +44,20 @@ def _alive(pid: int) -> bool:
 
 
 def _rank_children() -> list[int]:
-    """Live child processes of this test process, multiprocessing's resource tracker aside."""
-    found = []
+    """Live rank processes of this test process: its children and its forkserver's (``rank_start``), multiprocessing's
+    resource tracker and the forkserver itself aside."""
+    procs = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().split(")")[-1].split()
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmdline:
-            found.append(int(stat.parent.name))
-    return found
+        if fields[0] != "Z":
+            procs[int(stat.parent.name)] = (int(fields[1]), cmdline)
+    servers = {pid for pid, (ppid, cmd) in procs.items() if ppid == os.getpid() and b"forkserver" in cmd}
+    return [pid for pid, (ppid, cmd) in procs.items()
+            if (ppid == os.getpid() or ppid in servers) and pid not in servers and b"resource_tracker" not in cmd]
 
 
 def _pids(tmp: Path, world_size: int, timeout_s: float = LIMIT_S) -> list[int]:
@@ -121,6 +124,40 @@ def test_launch_returns_results_in_rank_order_with_context():
         assert env == {"MASTER_ADDR": "127.0.0.1", "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
         assert not _alive(pid)
     assert _rank_children() == []
+
+
+def _launch_time_worker(rank: int, world_size: int) -> tuple:
+    for stream, name in ((sys.stdout, "out"), (sys.stderr, "err")):  # one write a line: ranks share the file
+        stream.write(f"rank {rank} {name}\n")
+        stream.flush()
+    return os.environ.get("SHARDWISE_TEST_LAUNCH_MARK"), os.environ.get("SHARDWISE_TEST_UNSET"), torch.get_num_threads()
+
+
+def test_ranks_take_the_launchers_environment_and_output_as_they_are_at_each_launch(tmp_path, monkeypatch):
+    """Ranks fork from a server started by the first launch (``rank_start``): what the launcher changed since —
+    its environment, OMP_NUM_THREADS, where its descriptors 1 and 2 point — is what each later launch's ranks see."""
+    monkeypatch.setenv("SHARDWISE_TEST_UNSET", "before")
+    launch_local(_context_worker, 2, run_timeout_s=120)  # starts the server (or it ran already)
+    monkeypatch.setenv("SHARDWISE_TEST_LAUNCH_MARK", "after")
+    monkeypatch.delenv("SHARDWISE_TEST_UNSET")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out, err = tmp_path / "out", tmp_path / "err"
+    saved = os.dup(1), os.dup(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        with out.open("w") as o, err.open("w") as e:
+            os.dup2(o.fileno(), 1)
+            os.dup2(e.fileno(), 2)
+            results = launch_local(_launch_time_worker, 2, run_timeout_s=120)
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+    assert results == [("after", None, 1)] * 2
+    assert sorted(out.read_text().split("\n")[:-1]) == ["rank 0 out", "rank 1 out"]
+    assert {"rank 0 err", "rank 1 err"} <= set(err.read_text().splitlines())
 
 
 def _send_tensor_and_exit(conn) -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import alive, cli_argv, cli_env
+from conftest import alive, cli_argv, cli_env, launched_ranks
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.spec.model import NORM
 from shardwise.spec.parse import parse_config
@@ -48,20 +48,6 @@ def llama6(tmp_path_factory) -> Path:
     return out
 
 
-def _ranks_of(pid: int) -> dict[int, int]:
-    """{rank: pid} of the live rank processes launched by ``pid`` (named ``shardwise-rR``)."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().split(")")[-1].split()
-            comm = (stat.parent / "comm").read_text().strip()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z" and comm.startswith("shardwise-r"):
-            found[int(comm[len("shardwise-r"):])] = int(stat.parent.name)
-    return found
-
-
 def _long_run(llama6: Path, tp: int, tokens: int = 20000, session: bool = False):
     """A `shardwise run` decoding far longer than any test (rank 0 sleeps 1 ms per layer, a testing
     hook), returned once generation is under way: (process, its stderr lines so far — a thread keeps
@@ -82,8 +68,10 @@ def _long_run(llama6: Path, tp: int, tokens: int = 20000, session: bool = False)
             pytest.fail(f"generation did not start within 120 s: {''.join(lines)}")
         time.sleep(0.1)
     time.sleep(1.0)  # well into decoding
-    ranks = _ranks_of(proc.pid)
-    assert sorted(ranks) == list(range(tp)), ranks
+    ranks = launched_ranks(proc.pid)
+    if sorted(ranks) != list(range(tp)):
+        _end(proc, ranks, reader)  # not left running (decoding 20000 tokens) after the test
+        pytest.fail(f"expected ranks 0..{tp - 1} under the launcher, found {ranks}")
     return proc, lines, reader, ranks
 
 

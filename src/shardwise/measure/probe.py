@@ -291,9 +291,9 @@ def run_probe(
 
     if ranks < 1:
         raise ShardwiseError(f"--ranks must be >= 1, got {ranks}")
-    import multiprocessing
+    from shardwise.runtime.rank_start import context
 
-    queue = multiprocessing.get_context("spawn").Queue()
+    queue = context().Queue()  # of the start method the ranks have
     with _progress(probe_steps(cfg, ranks, ranks), show_progress) as bar:
 
         def feed() -> None:

@@ -1,7 +1,7 @@
 """Start and supervise the ranks of a run on this machine.
 
 ``launch_local(fn, world_size)`` starts ``world_size`` processes on this machine
-(spawn, not fork, so no torch state is inherited), each joins an ``env://``
+(forked from a server that imported torch once, ``rank_start``), each joins an ``env://``
 rendezvous bound to loopback and runs ``fn(rank, world_size, *args)``; the parent
 collects the per-rank return values. It supervises them: when one rank raises, exits
 or is killed, the launcher tells every other rank which rank failed (each prints
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
-import multiprocessing
 import os
 import pickle
 import signal
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S  # process-group timeout (s) for rendezvous and collectives
+from shardwise.runtime import rank_start
 from shardwise.runtime.peer_watch import frozen_s, on_peer_failure, tell_peer_failure
 from shardwise.runtime.rendezvous import check_backend, free_port, init_from_env, one_line
 
@@ -120,7 +120,9 @@ def _watch_launcher(rank: int, parent_pid: int, ctl: Connection, conn: Connectio
             verdict = ctl.recv() if ready else None
         except (EOFError, OSError):  # the launcher closed its end: it is gone
             os._exit(1)
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)  # a rank is the forkserver's child, not the launcher's: ask by pid
+        except OSError:  # gone (or its pid is now another user's process)
             os._exit(1)
         if verdict is not None:
             text = verdict[1]
@@ -146,16 +148,23 @@ def _rank_main(
     conn: Connection,
     ctl: Connection,
     parent_pid: int,
+    stdio: rank_start.Stdio,
 ) -> None:
-    """Body of a launched rank: join the group, run ``fn``, send back the result."""
+    """Body of a launched rank: join the group, run ``fn``, send back the result. ``env`` is the launcher's
+    whole environment plus the rank's variables; ``stdio`` its output and error (``rank_start``)."""
     # Ctrl-C is the launcher's to handle (it stops the ranks): a terminal's SIGINT to the whole
-    # group, pending since the launcher blocked it around the spawn, is dropped here
+    # group, pending since the rank started (with SIGINT blocked, ``rank_server``), is dropped here
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    stdio.attach()
+    os.environ.clear()
     os.environ.update(env)
     _name_process(rank)
     threading.Thread(target=_watch_launcher, args=(rank, parent_pid, ctl, conn), daemon=True).start()
-    if "OMP_NUM_THREADS" not in os.environ:  # like torchrun: don't oversubscribe the cores
+    threads = os.environ.get("OMP_NUM_THREADS", "")  # the launcher's now, not the server's at its start
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    elif not threads:  # like torchrun: don't oversubscribe the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         init_from_env(backend, timeout_s=timeout_s)
@@ -392,12 +401,12 @@ def launch_local(
     loopback = _loopback_interface(master_addr)
     if backend == "gloo" and loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = loopback
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_start.context()
     procs: list = []
     conns: list[Connection] = []  # rank -> launcher: the result or the error
     ctls: list[Connection] = []  # launcher -> rank: which rank failed
-    # SIGINT waits until every rank is started (each inherits the block and drops it once its
-    # bootstrap is done: a Ctrl-C mid-spawn stops them cleanly instead of a traceback per child)
+    # SIGINT waits until every rank is started (each starts with it blocked and drops it once its
+    # bootstrap is done: a Ctrl-C mid-start stops them cleanly instead of a traceback per child)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         for rank in range(world_size):
@@ -405,11 +414,11 @@ def launch_local(
             ctl_reader, ctl_writer = ctx.Pipe(duplex=False)
             conns.append(reader)
             ctls.append(ctl_writer)
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            rank_env = {**os.environ, **env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             proc = ctx.Process(
                 target=_rank_main,
                 args=(fn, rank, world_size, tuple(args), rank_env, backend, timeout_s, writer,
-                      ctl_reader, os.getpid()),
+                      ctl_reader, os.getpid(), rank_start.Stdio()),
                 name=f"shardwise-rank{rank}",
             )
             procs.append(proc)

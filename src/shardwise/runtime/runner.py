@@ -32,7 +32,7 @@ SLOW_RANK_ENV = "SHARDWISE_TEST_SLOW_RANK"
 
 @dataclass(frozen=True)
 class RunRequest:
-    """Everything a rank needs; picklable so it crosses to spawned processes."""
+    """Everything a rank needs; picklable so it crosses to the rank processes."""
 
     checkpoint: str
     prompt_ids: tuple[int, ...]

@@ -29,7 +29,7 @@ STARTUP_S = 30.0
 
 @dataclass(frozen=True)
 class ServeRequest:
-    """Everything a rank needs; picklable so it crosses to spawned processes."""
+    """Everything a rank needs; picklable so it crosses to the rank processes."""
 
     checkpoint: str
     model_name: str
