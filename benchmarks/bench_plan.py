@@ -1,13 +1,17 @@
-"""How long `shardwise plan` takes as a whole process (target: under 0.5 s).
+"""How long `shardwise plan` takes as a whole process (target: under 0.5 s), and one plan call in a process that
+has already planned once (issue 16: under 0.3 s per call; what a sweep, `validate` or a server pays per plan).
 
 Run: python benchmarks/bench_plan.py [--runs N]
 By default bytecode caching is on, as for an installed package (this sandbox sets
 PYTHONDONTWRITEBYTECODE, which makes every run compile shardwise from source: --no-bytecode).
 Prints the median and best wall time and the CPU time of the default plan and of `--json`, next to a bare
-`python -c pass` start-up measured in the same run, so the ratio is what matters on a noisy box.
+`python -c pass` start-up measured in the same run, so the ratio is what matters on a noisy box; then the
+same commands run through `cli.main` in this process (imports done by a first call), per call.
 """
 
 import argparse
+import contextlib
+import io
 import os
 import resource
 import statistics
@@ -53,6 +57,35 @@ def main() -> None:
         base = base or med
         print(f"{name:34s} {med:9.3f} {min(t):8.3f} {statistics.median(cpu):7.3f} {med / base:9.1f}x")
     print("target: shardwise plan under 0.5 s")
+    print(f"{'in this process, per call':34s} {'median s':>9s} {'best s':>8s} {'cpu s':>7s}")
+    for name, cmd in cases.items():
+        if name != "python -c pass":
+            t, cpu = in_process(cmd[3:], args.runs)
+            print(f"{name:34s} {statistics.median(t):9.3f} {min(t):8.3f} {statistics.median(cpu):7.3f}")
+    print("target: one plan call under 0.3 s")
+
+
+def in_process(argv: list[str], runs: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds of ``shardwise ARGV`` through ``cli.main`` in this process (output discarded),
+    per run, after one warm-up call that does the imports."""
+    from shardwise import cli
+
+    def once() -> None:
+        saved, sys.argv = sys.argv, ["shardwise", *argv]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+                cli.main()
+        finally:
+            sys.argv = saved
+
+    once()
+    times, cpu = [], []
+    for _ in range(runs):
+        c0, t0 = time.process_time(), time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return times, cpu
 
 
 if __name__ == "__main__":
