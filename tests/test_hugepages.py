@@ -34,6 +34,7 @@ class Weights(nn.Module):
         self.tied = nn.Linear(1024, 1024, bias=False)
         self.tied.weight = self.big.weight
         self.small = nn.Linear(64, 64, bias=False)  # 16 KB: stays
+        self.mid = nn.Linear(256, 256, bias=False)  # 256 KB (under a huge page, like an int4 model's scales): moves
         self.a, self.b = nn.Linear(512, 700, bias=False), nn.Linear(512, 900, bias=False)  # joined: 3.3 MB
         for p in self.parameters():
             p.requires_grad_(False).copy_(torch.randn(p.shape, generator=gen))
@@ -50,7 +51,7 @@ def test_place_moves_large_weights_and_keeps_every_relation():
     if not hugepages.available():
         assert moved == 0
         return
-    assert moved == 4 * 1024 * 1024 + 1600 * 512 * 4
+    assert moved == 4 * 1024 * 1024 + 1600 * 512 * 4 + 256 * 256 * 4
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
     assert model.tied.weight is model.big.weight
@@ -59,6 +60,7 @@ def test_place_moves_large_weights_and_keeps_every_relation():
     assert model.b.weight.data_ptr() == stack.data_ptr() + 700 * 512 * 4
     assert stack.untyped_storage().data_ptr() == model.big.weight.untyped_storage().data_ptr()  # one mapping
     assert huge_kb(model.big.weight.data_ptr()) >= 2048
+    assert model.mid.weight.untyped_storage().data_ptr() == model.big.weight.untyped_storage().data_ptr()
     stack.mul_(1.0)  # still a writable tensor
     assert torch.equal(model.b.weight, before["b.weight"])
 
