@@ -364,7 +364,8 @@ def main() -> None:
     folder = checkpoint()
     prompt = [(7 * i + 3) % CONFIG["vocab_size"] for i in range(args.prompt)]
     itemsize = 2 if args.dtype == "bfloat16" else 4
-    weight_bytes = token_bytes(folder, itemsize) + cache_bytes(args.prompt, args.tokens, itemsize)
+    kv_bytes = cache_bytes(args.prompt, args.tokens, itemsize)  # shardwise's cache, in the run dtype
+    weight_bytes = token_bytes(folder, itemsize) + kv_bytes
     samples = [stream_gbps(args.threads)]
     ggufs = {} if args.no_llama_cpp else llama_cpp_files(folder)
     ours: list[tuple[float, float]] = []  # (tok/s, GB/s of its moment) per round
@@ -384,7 +385,7 @@ def main() -> None:
         theirs.append(transformers_rate(folder, prompt, args.tokens, args.threads, args.dtype))
         for fmt in ints:
             timed, nbytes = shardwise_int(folder, fmt, prompt, args.tokens, args.threads, args.dtype, probe)
-            int_bytes[fmt] = nbytes + cache_bytes(args.prompt, args.tokens, itemsize)
+            int_bytes[fmt] = nbytes + kv_bytes
             ints[fmt].append(timed)
         for fmt, path in ggufs.items():
             peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads, probe))

@@ -71,9 +71,8 @@ def cpu_has(flag: str) -> bool:
     return os.path.exists("/proc/cpuinfo") and flag in open("/proc/cpuinfo").read().split()
 
 
-def launched_ranks(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the live rank processes ``launcher`` started (named ``shardwise-rR``): those its forkserver
-    forked (``runtime.rank_start``), or its own children."""
+def live_processes() -> dict[int, tuple[int, str, bytes]]:
+    """{pid: (parent pid, comm, cmdline)} of every process that is running (zombies aside)."""
     procs = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -84,7 +83,20 @@ def launched_ranks(launcher: int) -> dict[int, int]:
             continue
         if fields[0] != "Z":
             procs[int(stat.parent.name)] = (int(fields[1]), comm, cmdline)
-    parents = {launcher} | {pid for pid, (ppid, _, cmd) in procs.items() if ppid == launcher and b"forkserver" in cmd}
+    return procs
+
+
+def forkservers(launcher: int, procs: dict[int, tuple[int, str, bytes]]) -> set[int]:
+    """The pids among ``procs`` (``live_processes()``) of ``launcher``'s forkserver, which forks its ranks
+    (``runtime.rank_start``)."""
+    return {pid for pid, (ppid, _, cmd) in procs.items() if ppid == launcher and b"forkserver" in cmd}
+
+
+def launched_ranks(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the live rank processes ``launcher`` started (named ``shardwise-rR``): those its forkserver
+    forked, or its own children."""
+    procs = live_processes()
+    parents = {launcher} | forkservers(launcher, procs)
     return {int(comm[len("shardwise-r"):]): pid for pid, (ppid, comm, _) in procs.items()
             if ppid in parents and comm.startswith("shardwise-r")}
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import free_port
+from conftest import forkservers, free_port, live_processes
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import comm
 from shardwise.runtime.launch import RankFailure, launch_local
@@ -46,17 +46,9 @@ def _alive(pid: int) -> bool:
 def _rank_children() -> list[int]:
     """Live rank processes of this test process: its children and its forkserver's (``rank_start``), multiprocessing's
     resource tracker and the forkserver itself aside."""
-    procs = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().split(")")[-1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if fields[0] != "Z":
-            procs[int(stat.parent.name)] = (int(fields[1]), cmdline)
-    servers = {pid for pid, (ppid, cmd) in procs.items() if ppid == os.getpid() and b"forkserver" in cmd}
-    return [pid for pid, (ppid, cmd) in procs.items()
+    procs = live_processes()
+    servers = forkservers(os.getpid(), procs)
+    return [pid for pid, (ppid, _, cmd) in procs.items()
             if (ppid == os.getpid() or ppid in servers) and pid not in servers and b"resource_tracker" not in cmd]
 
 
