@@ -19,7 +19,7 @@ float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void
     __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
     int64_t k = g0;
     for (; k + 32 <= g0 + group; k += 32) {
-      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
+      if ((k & 63) == 0) prefetch_ahead(q + k);
       __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
       __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
       t0 = _mm256_fmadd_ps(to_float(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x + k), t0);
@@ -47,7 +47,7 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
   for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
     __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
     for (int64_t k = g0; k < g0 + group; k += 32) {
-      if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + k / 2) + kPrefetchBytes, _MM_HINT_T0);
+      if ((k & 127) == 0) prefetch_ahead(q + k / 2);
       __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
       __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
       __m256i e0 = _mm256_sub_epi32(_mm256_and_si256(w0, low), eight);
