@@ -73,10 +73,11 @@ CONFIG = {
 SHORT_BECAUSE = (
     "short because llama.cpp rounds each block of 32 activations to int8 and multiplies int8 by int8 "
     "(VNNI dot products, 64 multiply-adds per instruction), while shardwise keeps the activations as they are "
-    "(within 1e-7 of the dequantized product) and turns every weight into a float (float32 rows) or a "
-    "bfloat16 (bfloat16 rows, 32 products per vdpbf16ps) in registers: its kernel is bound by those "
-    "instructions, not by memory (int4, bfloat16 rows, 2 threads, AMD EPYC VM: 23-25 GB/s of packed rows "
-    "while sum() reads 55-60 GB/s, about its rate from cache; 18-21 while sum() reads 31-33)"
+    "(within 1e-7 of the dequantized product) and turns every weight into a float (float32 rows: 16 products "
+    "per fused multiply-add) or a bfloat16 (bfloat16 rows, 32 products per vdpbf16ps) in registers: its kernel "
+    "is bound by those instructions, not by memory (int4, 2 threads, 256 MB in huge pages, AMD EPYC Zen 4 VM: "
+    "bfloat16 rows 26-27 GB/s of packed rows whether sum() reads 33 or 57 GB/s; from L1 one core computes "
+    "23-26 GB/s of them with bfloat16 rows and 11-14 with float32 rows)"
 )
 """Why shardwise's int kernel trails llama.cpp's at the same format, printed beside a ratio below 1."""
 

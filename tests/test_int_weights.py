@@ -264,11 +264,13 @@ def test_many_rows_run_as_gemms_over_dequantized_blocks(ckpts, monkeypatch):
 
 @pytest.mark.parametrize("group", [32, 64, 128, 384])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
-def test_kernel_bfloat16_rows_times_4_bit_weights(group, scale_dtype):
-    """bfloat16 rows (a bfloat16 model's activations) times 4-bit weights: the kernel's bfloat16 dot-product
-    path (widths that are whole 128-weight chunks) and its float32 one (other widths) both equal the
-    exact product to float32 rounding, row by row whatever the batch; every group size the checkpoint
-    scheme allows, scales as stored in either dtype."""
+@pytest.mark.parametrize("row_dtype", [torch.bfloat16, torch.float32])
+def test_kernel_rows_times_4_bit_weights(group, scale_dtype, row_dtype):
+    """bfloat16 rows (a bfloat16 model's activations) or float32 ones times 4-bit weights: the kernel's
+    64-byte line paths (widths that are whole 128-weight chunks: vdpbf16ps for bfloat16 rows, a table permute
+    per 16 weights for float32 ones) and its 32-weight one (other widths) all equal the exact product to
+    float32 rounding, row by row whatever the batch; every group size the checkpoint scheme allows, scales as
+    stored in either dtype."""
     from shardwise.runtime.int_matmul import kernel
 
     gen = torch.Generator().manual_seed(group)
@@ -277,7 +279,7 @@ def test_kernel_bfloat16_rows_times_4_bit_weights(group, scale_dtype):
         scale = (torch.rand(37, width // group, generator=gen) * 0.1 + 0.01).to(scale_dtype)
         values = torch.stack([(q & 15).long() - 8, (q >> 4).long() - 8], dim=-1).reshape(37, width)
         weight = values.double() * scale.double().repeat_interleave(group, dim=1)
-        x = torch.randn(5, width, generator=gen).to(torch.bfloat16)
+        x = torch.randn(5, width, generator=gen).to(row_dtype)
         y = kernel()(x, q, scale, 4, group)
         assert y.dtype == torch.float32
         exact = x.double() @ weight.T
@@ -285,7 +287,7 @@ def test_kernel_bfloat16_rows_times_4_bit_weights(group, scale_dtype):
         # out_dtype: the same float32 sums rounded once to bfloat16 in the kernel, as Tensor.to rounds them
         assert torch.equal(kernel()(x, q, scale, 4, group, torch.bfloat16), y.to(torch.bfloat16))
         for i in range(5):
-            assert torch.equal(kernel()(x[i : i + 1], q, scale, 4, group), y[i : i + 1]), (group, width, i)
+            assert torch.equal(kernel()(x[i : i + 1], q, scale, 4, group), y[i : i + 1]), (group, width, i, row_dtype)
 
 
 def test_stacked_projections_equal_their_parts(ckpts):

@@ -124,20 +124,12 @@ inline void add_group(__m512 sc, __m512 t, bool odd, __m512& a0, __m512& a1) {
   }
 }
 
-// xp: each 32-chunk of x as its 16 even then its 16 odd elements (the nibble order). A nibble becomes
-// its float value (nibble - 8) through a 16-entry table (vpermps reads the low 4 bits of each index).
+// Any row width (a multiple of 32; dot4_lines takes those of whole 64-byte lines). xp: each 32-chunk of x as its
+// 16 even then its 16 odd elements (the nibble order). A nibble becomes its float value (nibble - 8) through a
+// 16-entry table (vpermps reads the low 4 bits of each index).
 float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
   const __m512 lut = sk == kE8M0 ? _mm512_loadu_ps(kE2M1) : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  if (group == 32) {  // one 32-element chunk per scale: no per-group sums of partial chains
-    for (int64_t k = 0, gi = s0; k < K; k += 32, ++gi) {
-      if ((k & 127) == 0) prefetch_ahead(q + k / 2);
-      __m512i w = bytes16(q + k / 2);
-      __m512 t = fma_high(w, lut, xp + k + 16, _mm512_mul_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(xp + k)));
-      add_group(_mm512_set1_ps(scale_at(s, sk, gi)), t, (gi - s0) & 1, a0, a1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-  }
   for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
     __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;  // four independent chains
     int64_t k = g0;
@@ -159,6 +151,75 @@ float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const vo
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
+
+#if defined(__AVX512VL__)
+#define SHARDWISE_LINES 1
+// A chunk's scales (groups of 32 or 64: `count` = 4 or 2 of them from gi) spread to the lanes their weights
+// sum in (lane i: scale idx[i]). A bfloat16 scale is a float32's top 16 bits: one word permute puts it
+// there and zeroes the bottom ones.
+inline __m512 chunk_scales(const void* s, ScaleKind sk, int64_t gi, int count, __m512i idx) {
+  const __mmask8 take = __mmask8((1 << count) - 1);
+  if (sk == kE8M0) {  // e << 23, with the two special bytes (e8m0_bits) mended lane by lane
+    const __m512i e = _mm512_permutexvar_epi32(idx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(take, static_cast<const uint8_t*>(s) + gi)));
+    __m512i v = _mm512_slli_epi32(e, 23);
+    v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000)));
+  }
+  if (sk == kF32) return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(take, static_cast<const float*>(s) + gi)));
+  const __m512i raw = _mm512_castsi128_si512(_mm_maskz_loadu_epi16(take, static_cast<const uint16_t*>(s) + gi));
+  return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_slli_epi32(idx, 16), raw));
+}
+
+// One row of 4-bit weights (K a multiple of 128; group 32, 64 or a multiple of 128) in 64-byte lines of 128
+// weights: chunk(line, x + k, t0, t1) adds a line's products into two chains, float32 lane i holding 8 of its
+// weights (lanes 0-3 the first 32, and so on), so a chunk's sum times its scales (chunk_scales) goes into a0 or a1.
+template <class X, class Chunk>
+float dot4_lines(const uint8_t* q, const X* xp, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0, const Chunk& chunk) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  if (group < 128) {  // 32 or 64: each chunk spans 128 / group groups
+    const int count = int(128 / group);
+    const __m512i idx = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                    : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t k = 0, gi = s0; k < K; k += 128, gi += count) {
+      prefetch_ahead(q + k / 2);
+      __m512 t0 = _mm512_setzero_ps(), t1 = t0;
+      chunk(q + k / 2, xp + k, t0, t1);
+      add_group(chunk_scales(s, sk, gi, count, idx), _mm512_add_ps(t0, t1), (k >> 7) & 1, a0, a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
+    __m512 t0 = _mm512_setzero_ps(), t1 = t0;
+    for (int64_t k = g0; k < g0 + group; k += 128) {
+      prefetch_ahead(q + k / 2);
+      chunk(q + k / 2, xp + k, t0, t1);
+    }
+    add_group(_mm512_set1_ps(scale_at(s, sk, gi)), _mm512_add_ps(t0, t1), (gi - s0) & 1, a0, a1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+// A float32 row: the line's 16 32-bit words, nibble r of each (a shift by 4r; vpermps reads an index's low 4 bits)
+// through the value table, times xp's block r (the chunk's x as eight blocks of 16: block r, lane j = element 8j + r).
+// Against dot4 on an AMD EPYC (Zen 4) VM, groups of 32: 9.3 -> 11.3-12.0 GB/s on one core from L1, 15-17 -> 17-19 on two
+// from memory (it drops dot4's widening of 16 bytes per 32 weights: 8 table permutes a line instead of 12 shuffles).
+inline void chunk128_f32(const uint8_t* q, const float* x, __m512 lut, __m512& t0, __m512& t1) {
+  const __m512i w = _mm512_loadu_si512(q);
+  t0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(w, lut), _mm512_loadu_ps(x), t0);
+  for (int r = 1; r < 8; r += 2) {
+    t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4 * r), lut), _mm512_loadu_ps(x + 16 * r), t1);
+    if (r < 7) t0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4 * r + 4), lut), _mm512_loadu_ps(x + 16 * r + 16), t0);
+  }
+}
+
+float dot4_f32(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
+  const __m512 lut = sk == kE8M0 ? _mm512_loadu_ps(kE2M1) : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  return dot4_lines(q, xp, K, group, s, sk, s0, [&](const uint8_t* line, const float* x, __m512& t0, __m512& t1) {
+    chunk128_f32(line, x, lut, t0, t1);
+  });
+}
+
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define SHARDWISE_BF16_DOT 1
@@ -200,47 +261,12 @@ inline void chunk128(const uint8_t* q, const uint16_t* xp, __m512i table, __m512
   t1 = _mm512_dpbf16_ps(t1, nibbles_bf16(w, 12, table), (__m512bh)_mm512_loadu_si512(xp + 96));
 }
 
-// A chunk's scales (groups of 32 or 64: `count` = 4 or 2 of them from gi) spread to the lanes their weights
-// sum in (lane i: scale idx[i]). A bfloat16 scale is a float32's top 16 bits: one word permute puts it
-// there and zeroes the bottom ones.
-inline __m512 chunk_scales(const void* s, ScaleKind sk, int64_t gi, int count, __m512i idx) {
-  const __mmask8 take = __mmask8((1 << count) - 1);
-  if (sk == kE8M0) {  // e << 23, with the two special bytes (e8m0_bits) mended lane by lane
-    const __m512i e = _mm512_permutexvar_epi32(idx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(take, static_cast<const uint8_t*>(s) + gi)));
-    __m512i v = _mm512_slli_epi32(e, 23);
-    v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000)));
-  }
-  if (sk == kF32) return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(take, static_cast<const float*>(s) + gi)));
-  const __m512i raw = _mm512_castsi128_si512(_mm_maskz_loadu_epi16(take, static_cast<const uint16_t*>(s) + gi));
-  return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_slli_epi32(idx, 16), raw));
-}
-
 // One row of 4-bit weights against a bfloat16 row (K a multiple of 128; group 32, 64 or a multiple of 128).
 float dot4_bf16(const uint8_t* q, const uint16_t* xp, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
   const __m512i table = sk == kE8M0 ? kE2M1Bf16 : kNibbleBf16;
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  if (group < 128) {  // 32 or 64: each chunk spans 128 / group groups
-    const int count = int(128 / group);
-    const __m512i idx = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                                    : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int64_t k = 0, gi = s0; k < K; k += 128, gi += count) {
-      prefetch_ahead(q + k / 2);
-      __m512 t0 = _mm512_setzero_ps(), t1 = t0;
-      chunk128(q + k / 2, xp + k, table, t0, t1);
-      add_group(chunk_scales(s, sk, gi, count, idx), _mm512_add_ps(t0, t1), (k >> 7) & 1, a0, a1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-  }
-  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
-    __m512 t0 = _mm512_setzero_ps(), t1 = t0;
-    for (int64_t k = g0; k < g0 + group; k += 128) {
-      prefetch_ahead(q + k / 2);
-      chunk128(q + k / 2, xp + k, table, t0, t1);
-    }
-    add_group(_mm512_set1_ps(scale_at(s, sk, gi)), _mm512_add_ps(t0, t1), (gi - s0) & 1, a0, a1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  return dot4_lines(q, xp, K, group, s, sk, s0, [&](const uint8_t* line, const uint16_t* x, __m512& t0, __m512& t1) {
+    chunk128(line, x, table, t0, t1);
+  });
 }
 
 // int8 weights against a bfloat16 row: each weight splits exactly into its signed high nibble h (-8..7) and
@@ -290,45 +316,20 @@ float dot8_bf16(const int8_t* q, const uint16_t* x, int64_t K, int64_t group, co
 #elif defined(SHARDWISE_AVX2)
 #include "int_matmul_avx2.h"
 #else
-// Portable versions with the same 32-lane order (no AVX2/FMA on this machine).
-inline float lanes_sum(const float* a) {
-  float v[8];
-  for (int j = 0; j < 8; ++j) v[j] = (a[j] + a[8 + j]) + (a[16 + j] + a[24 + j]);
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
-
-float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
-  float a[32] = {0}, rest = 0;
-  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
-    float t[32] = {0}, tail = 0;
-    int64_t k = g0;
-    for (; k + 32 <= g0 + group; k += 32)
-      for (int j = 0; j < 32; ++j) t[j] += float(q[k + j]) * x[k + j];
-    for (; k < g0 + group; ++k) tail += float(q[k]) * x[k];
-    float sc = scale_at(s, sk, gi);
-    rest += sc * tail;
-    for (int j = 0; j < 32; ++j) a[j] += sc * t[j];
-  }
-  return lanes_sum(a) + rest;
-}
-
-float dot4(const uint8_t* q, const float* xp, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
-  float a[32] = {0};
-  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
-    float t[32] = {0};
-    for (int64_t k = g0; k < g0 + group; k += 32)
-      for (int j = 0; j < 16; ++j) {
-        uint8_t b = q[k / 2 + j];
-        int lane = j < 8 ? j : 8 + (j - 8);  // even elements fill lanes 0..15, odd ones 16..31
-        t[lane] += (sk == kE8M0 ? kE2M1[b & 15] : float(int(b & 15) - 8)) * xp[k + j];
-        t[16 + lane] += (sk == kE8M0 ? kE2M1[b >> 4] : float(int(b >> 4) - 8)) * xp[k + 16 + j];
-      }
-    float sc = scale_at(s, sk, gi);
-    for (int j = 0; j < 32; ++j) a[j] += sc * t[j];
-  }
-  return lanes_sum(a);
-}
+#include "int_matmul_portable.h"
 #endif
+
+// x in the order dot4_lines' chunks read it: each 128-chunk as `blocks` blocks of 128 / blocks, block r lane l =
+// element blocks * l + r (bfloat16 rows: 4 blocks of 32 words; float32 rows: 8 of 16 floats).
+template <class T>
+std::vector<T> line_order(const T* xs, int64_t n, int blocks) {
+  std::vector<T> perm(n);
+  const int lanes = 128 / blocks;
+  for (int64_t i = 0; i < n; i += 128)
+    for (int r = 0; r < blocks; ++r)
+      for (int l = 0; l < lanes; ++l) perm[i + lanes * r + l] = xs[i + blocks * l + r];
+  return perm;
+}
 
 // y[m, r] = dot(r, m), float32 or rounded once to bfloat16 (nearest even, as Tensor.to); threads take runs of
 // `chunk` weight rows (dynamic_for.h), one sums each.
@@ -369,13 +370,10 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "out_dtype must be float32 or bfloat16");
   const void* sp = scale.data_ptr();
   const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
+  [[maybe_unused]] const bool lines = bits == 4 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0);
 #if defined(SHARDWISE_BF16_DOT)
-  if (bits == 4 && x_in.scalar_type() == at::kBFloat16 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0)) {
-    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
-    std::vector<uint16_t> perm(M * K);  // each 128-chunk of x as four blocks of 32: block r, lane l = element 4l + r
-    for (int64_t i = 0; i < M * K; i += 128)
-      for (int r = 0; r < 4; ++r)
-        for (int l = 0; l < 32; ++l) perm[i + 32 * r + l] = xs[i + 4 * l + r];
+  if (lines && x_in.scalar_type() == at::kBFloat16) {
+    const std::vector<uint16_t> perm = line_order(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M * K, 4);
     const uint8_t* qp = q.data_ptr<uint8_t>();
     each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) {
       return dot4_bf16(qp + r * (K / 2), perm.data() + m * K, K, group, sp, sk, r * G);
@@ -391,6 +389,14 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
 #endif
   const at::Tensor x = x_in.to(at::kFloat);
   const float* xs = x.data_ptr<float>();
+#if defined(SHARDWISE_LINES)
+  if (lines) {
+    const std::vector<float> perm = line_order(xs, M * K, 8);
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) { return dot4_f32(qp + r * (K / 2), perm.data() + m * K, K, group, sp, sk, r * G); });
+    return y;
+  }
+#endif
   std::vector<float> perm;
   if (bits == 4) {  // each 32-chunk of x as its even then its odd elements (the nibble order)
     perm.resize(M * K);
