@@ -403,7 +403,12 @@ def main() -> None:
     print(f"memory bandwidth (best of {len(samples)} samples: {spread}): read {bw['read']:.1f} GB/s, one-row product "
           f"{bw['product']:.1f}, copy {bw['copy']:.1f}, triad {bw['triad']:.1f} -> roofline {ceiling:.2f} tok/s "
           f"(triad: {bw['triad'] * 1e9 / weight_bytes:.2f}); each decode's own moment: ReadProbe just before and after")
-    print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped")
+    from shardwise.runtime import gemv
+
+    torch.set_num_threads(args.threads)
+    products = "the compiled kernel" if gemv.chosen_kernel(getattr(torch, args.dtype)) else "torch.mv"
+    print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped "
+          f"(one-row products: {products}, this machine's measured choice)")
     print(f"  exact=True     {padded:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in exact)}), row-invariant products")
     print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
     print(f"shardwise / transformers = {best / hf:.2f}x ({padded / hf:.2f}x with exact=True); "
