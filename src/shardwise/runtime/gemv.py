@@ -77,7 +77,8 @@ def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, r
     """GB/s of weight bytes that ``torch.mv`` and ``kernel(weight, x)`` stream for one row of ``dtype``, best of
     ``rounds`` over ``nbytes`` of weights shaped as ``MEASURE_SHAPES``, held in huge pages where the host gives
     them (as the loader holds a model's); and ``cpu_share``, the share of its threads' cores the process held
-    while measuring (below ``CONTENDED_SHARE``: other work ran beside it). Within a round the candidates take turns weight by weight (each on
+    while measuring (below ``CONTENDED_SHARE``: other work ran beside it). Within a round the candidates take
+    turns weight by weight (each on
     its own weights, none read from cache; the next round swaps them), so a noisy neighbour's burst slows
     both alike: with whole rounds alternating, one taken while the CPU was busy once stored torch.mv as the
     choice at half the kernel's speed."""
@@ -133,9 +134,9 @@ def _stored_choice(candidate: Callable, dtype: torch.dtype, threads: int) -> dic
     torch.mv win measured while other work held the cores (``cpu_share`` below ``CONTENDED_SHARE``): that one
     serves its own process and the next one measures again. Contention slows the kernel's threads more than
     torch.mv's (AMD EPYC VM, 2 threads, float32: alone, kernel 27.8-29.5 GB/s and torch.mv 13.6-13.8, cpu_share
-    1.0; beside one spinning process 13.0-16.7 and 13.9-16.7, 0.6-0.7; beside two 6.3-6.8 and 18.8-19.9, 0.5), and every later process
-    follows a stored choice: one stored during a test run here (kernel 9.1, torch.mv 14.3 GB/s) halved float32
-    decode (17.2 -> 7.9 tok/s in benchmarks/bench_decode.py) until its file was removed."""
+    1.0; beside one spinning process 13.0-16.7 and 13.9-16.7, 0.6-0.7; beside two 6.3-6.8 and 18.8-19.9, 0.5),
+    and every later process follows a stored choice: one stored during a test run here (kernel 9.1, torch.mv
+    14.3 GB/s) halved float32 decode (17.2 -> 7.9 tok/s in benchmarks/bench_decode.py)."""
     path = cpp_ops.build_dir(ROWS_SOURCE) / f"gemv-choice-{str(dtype).removeprefix('torch.')}-{threads}t.json"
     with open(path.with_suffix(".flock"), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
