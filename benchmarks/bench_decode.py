@@ -61,6 +61,8 @@ from pathlib import Path
 
 import torch
 
+from llama_cpp_peer import SHORT_BECAUSE, gguf_token_bytes, llama_cpp_files, llama_cpp_rate, repacks_safely
+
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 10,
     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 5632,
@@ -70,16 +72,6 @@ CONFIG = {
 }
 
 
-SHORT_BECAUSE = (
-    "short because llama.cpp rounds each block of 32 activations to int8 and multiplies int8 by int8 "
-    "(VNNI dot products, 64 multiply-adds per instruction), while shardwise keeps the activations as they are "
-    "(within 1e-7 of the dequantized product) and turns every weight into a float (float32 rows: 16 products "
-    "per fused multiply-add) or a bfloat16 (bfloat16 rows, 32 products per vdpbf16ps) in registers: its kernel "
-    "is bound by those instructions, not by memory (int4, 2 threads, 256 MB in huge pages, AMD EPYC Zen 4 VM: "
-    "bfloat16 rows 26-27 GB/s of packed rows whether sum() reads 33 or 57 GB/s; from L1 one core computes "
-    "23-26 GB/s of them with bfloat16 rows and 11-14 with float32 rows)"
-)
-"""Why shardwise's int kernel trails llama.cpp's at the same format, printed beside a ratio below 1."""
 
 
 def checkpoint() -> Path:
@@ -267,82 +259,6 @@ def transformers_rate(folder: Path, prompt: list[int], tokens: int, threads: int
     return (tokens - 1) / (full - one)
 
 
-LLAMA_CPP_FORMATS = {"F32": None, "BF16": 32, "Q8_0": 7, "Q4_0": 2}  # name -> llama_ftype (llama.h) to quantize to
-
-
-def gguf_files(folder: Path) -> dict[str, Path]:
-    """The checkpoint as GGUF at each of ``LLAMA_CPP_FORMATS``, written once beside it: F32 by
-    ``shardwise.testing.llama_gguf`` (what llama.cpp's converter writes; the tokenizer copied from a
-    tiny checkpoint, padded to the vocabulary), the others by llama.cpp's own ``llama_model_quantize``."""
-    import shutil
-    import tempfile
-
-    import llama_cpp
-
-    from shardwise.runtime.checkpoint import make_checkpoint
-    from shardwise.testing.llama_gguf import write_llama_gguf
-
-    files = {fmt: folder / f"gguf-{fmt.lower()}.gguf" for fmt in LLAMA_CPP_FORMATS}
-    if not files["F32"].exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            tiny = make_checkpoint("llama-3.1-8b", "tiny", Path(tmp) / "tiny", seed=0)
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(tiny / name, folder / name)
-        write_llama_gguf(folder, files["F32"].with_suffix(".partial"), "f32").rename(files["F32"])
-    for fmt, ftype in LLAMA_CPP_FORMATS.items():
-        if ftype is not None and not files[fmt].exists():
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype, params.nthread = ftype, os.cpu_count() or 1
-            partial = files[fmt].with_suffix(".partial")
-            if llama_cpp.llama_model_quantize(str(files["F32"]).encode(), str(partial).encode(), params) != 0:
-                raise RuntimeError(f"llama.cpp could not quantize to {fmt}")
-            partial.rename(files[fmt])
-    return files
-
-
-def llama_cpp_files(folder: Path) -> dict[str, Path]:
-    """``gguf_files(folder)``, or none (printed) when llama-cpp-python or gguf is not installed."""
-    try:
-        import gguf  # noqa: F401
-        import llama_cpp  # noqa: F401
-    except ImportError as exc:
-        print(f"llama.cpp left out: {exc} (pip install llama-cpp-python gguf)")
-        return {}
-    return gguf_files(folder)
-
-
-def gguf_token_bytes(path: Path) -> int:
-    """Bytes of the GGUF's tensors one decode token reads: all but the token embedding (one row)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    total = 0
-    for t in reader.tensors:
-        total += int(t.n_bytes) // (int(t.shape[-1]) if t.name == "token_embd.weight" else 1)
-    return total
-
-
-def llama_cpp_rate(path: Path, prompt: list[int], tokens: int, threads: int, probe: ReadProbe) -> tuple[float, float]:
-    """(llama.cpp's decode tok/s on one GGUF, its moment's read GB/s): the prompt evaluated, then ``tokens``
-    single-token evaluations timed (one forward and its logits each, as a decode step; no sampling)."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + tokens + 8, n_threads=threads, n_threads_batch=threads,
-                          n_batch=len(prompt), verbose=False)
-    llm.eval(prompt)
-    llm.eval([prompt[-1]])  # warm-up step
-
-    def decode() -> float:
-        t0 = time.perf_counter()
-        for i in range(tokens):
-            llm.eval([prompt[i % len(prompt)]])
-        return tokens / (time.perf_counter() - t0)
-
-    timed = around(probe, decode)
-    llm.close()
-    return timed
-
-
 def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, trace: bool, dtype: str,
                   allreduce: str) -> list[dict]:
     from shardwise.runtime.launch import launch_local
@@ -372,6 +288,7 @@ def main() -> None:
     ours: list[tuple[float, float]] = []  # (tok/s, GB/s of its moment) per round
     exact, theirs = [], []
     peer: dict[str, list[tuple[float, float]]] = {fmt: [] for fmt in ggufs}
+    unrepacked = {fmt for fmt, path in ggufs.items() if not repacks_safely(path, prompt, args.tokens, args.threads)}
     ints: dict[str, list[tuple[float, float]]] = {"int8": [], "int4": []}
     int_bytes: dict[str, int] = {}
     probe, half = ReadProbe(), max(1, args.threads // 2)
@@ -389,7 +306,8 @@ def main() -> None:
             int_bytes[fmt] = nbytes + kv_bytes
             ints[fmt].append(timed)
         for fmt, path in ggufs.items():
-            peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads, probe))
+            peer[fmt].append(llama_cpp_rate(path, prompt, args.tokens, args.threads, lambda run: around(probe, run),
+                                            fmt not in unrepacked))
     tp2 = {"builtin": shardwise_tp2(folder, prompt, args.tokens, half, False, args.dtype, "builtin")[0]["tok_per_s"],
            "shm": max(shm)}
     traced = shardwise_tp2(folder, prompt, min(args.tokens, 12), half, True, args.dtype, "shm")
@@ -406,7 +324,17 @@ def main() -> None:
     from shardwise.runtime import gemv
 
     torch.set_num_threads(args.threads)
-    products = "the compiled kernel" if gemv.chosen_kernel(getattr(torch, args.dtype)) else "torch.mv"
+    from shardwise.runtime import int_matmul
+
+    products = {"torch_mv": "torch.mv", "kernel": "the compiled kernel, one weight row at a time",
+                "kernel_pairs": "the compiled kernel, two weight rows at a time"}[gemv.chosen_name(getattr(torch, args.dtype))]
+
+    def row_path(fmt: str) -> str:
+        """How the int kernel takes bfloat16 rows here (this machine's measured choice)."""
+        if args.dtype != "bfloat16":
+            return ""
+        widened = int_matmul.widens_bfloat16(8 if fmt == "int8" else 4)
+        return f" ({'widened to float32' if widened else 'as they are (vdpbf16ps)'} in the kernel: this machine's measured choice)"
     print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped "
           f"(one-row products: {products}, this machine's measured choice)")
     print(f"  exact=True     {padded:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in exact)}), row-invariant products")
@@ -418,7 +346,7 @@ def main() -> None:
         rates = [rate for rate, _ in runs]
         print(f"shardwise {fmt:5s} {max(rates):6.2f} tok/s  ({int_bytes[fmt] / 1e9:.2f} GB per token, "
               f"{100 * max(rates) * int_bytes[fmt] / (read * 1e9):.0f}% of the best sample's roofline, "
-              f"{paired_shares(runs, int_bytes[fmt])}), {args.dtype} activations")
+              f"{paired_shares(runs, int_bytes[fmt])}), {args.dtype} activations{row_path(fmt)}")
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
     int_of = {"Q8_0": "int8", "Q4_0": "int4"}
     for fmt, runs in peer.items():
@@ -430,9 +358,10 @@ def main() -> None:
         else:
             ratio = max(r for r, _ in ints[int_of[fmt]]) / rate
             versus = f"shardwise {int_of[fmt]} / llama.cpp = {ratio:.2f}x" + (f" ({SHORT_BECAUSE})" if ratio < 1 else "")
+        crashed = " [--no-repack: its repacked weights crashed llama.cpp here (repacks_safely)]" if fmt in unrepacked else ""
         print(f"llama.cpp {fmt:5s} {rate:6.2f} tok/s  ({nbytes / 1e9:.2f} GB per token, "
               f"{100 * rate * nbytes / (read * 1e9):.0f}% of the best sample's roofline, {paired_shares(runs, nbytes)}); "
-              f"{versus}")
+              f"{versus}{crashed}")
     print(f"shardwise tp=2   {tp2['builtin']:6.2f} tok/s  ({half} thread(s) per rank, --allreduce builtin) = "
           f"{tp2['builtin'] / best:.2f}x tp=1")
     print(f"shardwise tp=2   {tp2['shm']:6.2f} tok/s  ({half} thread(s) per rank, --allreduce shm; rounds "
@@ -450,7 +379,7 @@ def main() -> None:
     print(json.dumps({"roofline_tok_per_s": ceiling, "bandwidth_gbps": bw, "bandwidth_samples": samples, "shardwise_tp1": best,
                       "shardwise_tp1_runs": ours, "shardwise_tp1_exact": padded, "transformers": hf, "shardwise_tp2": tp2, "shardwise_tp2_shm_runs": shm,
                       "shardwise_int": ints, "int_token_bytes": int_bytes,
-                      "llama_cpp": peer, "trace_ranks": summary["ranks"]}))
+                      "llama_cpp": peer, "llama_cpp_no_repack": sorted(unrepacked), "trace_ranks": summary["ranks"]}))
 
 
 if __name__ == "__main__":

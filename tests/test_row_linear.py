@@ -129,3 +129,21 @@ def test_bfloat16_without_amx_plain_and_exact_one_row_agree():
             blocked = F.linear(x, weight)
         assert torch.equal(linear(x, weight), blocked), (n, k)
     assert exact.fixed_order_linear(x, weight, vector_kernels=False) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pairs_twin_gives_the_same_bits(dtype):
+    """The ``_pairs`` ops (one row of x against two weight rows at a time: ``runtime.gemv`` measures which a
+    machine runs for decode) give the one-row ops' bits, odd weight row counts (a last row alone) included."""
+    from shardwise.runtime import gemv
+
+    single, pairs = gemv.rows_kernel(dtype), gemv.rows_kernel(dtype, pairs=True)
+    if single is None:
+        pytest.skip(f"no compiled {dtype} one-row product on this CPU")
+    assert pairs is not None, "the one-row op built but its _pairs twin did not"
+    gen = torch.Generator().manual_seed(11)
+    for n, k in [(37, 2048), (1, 100), (6, 17), (129, 5635)]:
+        weight, x = (torch.randn(n, k, generator=gen) * 0.05).to(dtype), torch.randn(1, k, generator=gen).to(dtype)
+        assert torch.equal(pairs(x, weight), single(x, weight)), (n, k)
+        three = torch.randn(3, k, generator=gen).to(dtype)  # several rows: the same tiles as the one-row op's
+        assert torch.equal(pairs(three, weight), single(three, weight)), (n, k)

@@ -85,6 +85,11 @@ def build_dir(source: str) -> Path:
     return Path(root) / f"shardwise_{Path(source).stem}_{hashlib.sha1(key).hexdigest()[:12]}"
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux lists them (``avx512_bf16``, ``amx_tile``, ...); empty where unknown."""
+    return frozenset(next((line for line in _cpu_info() if line.startswith("flags")), "").partition(":")[2].split())
+
+
 def _cpu_info() -> list[str]:
     try:
         return Path("/proc/cpuinfo").read_text().splitlines()

@@ -1,41 +1,44 @@
 """One-row products on CPU (batch-1 decode): ``y = W x`` for a float weight ``W`` [out, in].
 
-Two candidates per dtype, and the faster one on this machine is used, chosen by measuring
-(``chosen_kernel``): ``torch.mv`` (F.linear's own bits) and the runtime's compiled kernel — float32:
-``shardwise_rows.linear_f32`` (``csrc/row_linear.cpp``, the fixed-order AVX-512 product that
+Three candidates per dtype, and the fastest on this machine is used, chosen by measuring
+(``chosen_kernel``): ``torch.mv`` (F.linear's own bits) and the runtime's compiled kernel in two schedules —
+float32: ``shardwise_rows.linear_f32`` (``csrc/row_linear.cpp``, the fixed-order AVX-512 product that
 ``runtime.exact`` also uses), bfloat16: ``shardwise_rows.linear_bf16_dp`` (the same file's vdpbf16ps
 product, where the CPU has AVX512-BF16: one row at a time it is what ``runtime.exact`` uses without
-AMX, so plain and exact decode get the same bits there). Which wins depends on the CPU and its BLAS. Measured
-with two threads, weights cycled so they stream from memory: on an Emerald Rapids Xeon VM MKL's
-float32 GEMV streamed 25-30 GB/s (the kernel 24-27: torch.mv kept), on an AMD EPYC (Zen 4) VM
+AMX, so plain and exact decode get the same bits there); each thread streams one weight row at a time
+(``kernel``) or two (``kernel_pairs``: their ``_pairs`` twins, the same bits). Which wins depends on the CPU
+and its BLAS. Measured with two threads, weights cycled so they stream from memory: on an Emerald Rapids Xeon
+VM MKL's float32 GEMV streamed 25-30 GB/s (the kernel 24-27: torch.mv kept), on an AMD EPYC (Zen 4) VM
 15-17 GB/s against the kernel's 23-27 and ``torch.sum``'s 30 (the kernel chosen: float32 decode
-~1.5x faster there); torch's bfloat16 GEMV streamed 8-13 GB/s on both against the kernel's 19-25.
+~1.5x faster there); torch's bfloat16 GEMV streamed 8-13 GB/s on both against the kernel's 19-25. On a
+Xeon with AMX (2 vCPUs, 540 MB of a decoder's shapes in huge pages, 12 rounds in shuffled order, medians):
+bfloat16 one row at a time 23.3-25.3 GB/s, two 24.7-27.4, torch.mv 22.1-24.7; float32 27.1-27.5, 29.3-29.6
+and 28.3-28.8 — two streams per thread keep more of that core's misses in flight.
 Both sum in float32 and round once, in different orders: the kernels' outputs are within float32
 rounding of F.linear's (bfloat16: one bfloat16 step away for an element now and then;
 ``tests/test_runtime_linear.py``). A non-contiguous weight, a float16 one, or no compiler keep
 ``torch.mv``. ``csrc/decode_gemv.cpp`` runs a MoE block's routed experts for one row in one call
-(``experts_kernel``) through the same products (float32: the chosen one).
+(``experts_kernel``) through the one-row-at-a-time products (float32: if a kernel is the choice).
 
 The choice is measured once per machine, dtype and thread count, the first time a process needs it
-(~0.5 s: the candidates taking turns weight by weight over 512 MB of weights — more than any L3 — best
-of four rounds) and kept in a JSON file beside the kernel's build (``cpp_ops.build_dir``), under a lock so
-ranks starting together measure once. ``SHARDWISE_GEMV=torch`` or ``=kernel`` overrides it.
+(~0.5 s: the candidates taking turns weight by weight over 512 MB of weights — more than most L3s — best
+of four rounds; ``kernel_choice``) and kept in a JSON file beside the kernel's build (``cpp_ops.build_dir``),
+under a lock so ranks starting together measure once. ``SHARDWISE_GEMV=torch``, ``=kernel`` or
+``=kernel_pairs`` overrides it.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import time
 from collections.abc import Callable
 
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.runtime import cpp_ops, hugepages
+from shardwise.runtime import cpp_ops, hugepages, kernel_choice
+from shardwise.runtime.kernel_choice import CONTENDED_SHARE
 
-__all__ = ["applies", "chosen_kernel", "experts_kernel", "mv", "rows_kernel"]
+__all__ = ["applies", "chosen_kernel", "chosen_name", "experts_kernel", "mv", "rows_kernel"]
 
 SOURCE = "decode_gemv.cpp"
 ROWS_SOURCE = "row_linear.cpp"
@@ -46,10 +49,10 @@ MEASURE_SHAPES = ((5632, 2048), (2048, 5632), (2048, 2048))
 """Weight shapes cycled while measuring: a decoder's tall, wide and square projections."""
 KERNEL_MARGIN = 1.05
 """The compiled kernel is chosen only if it streams at least this many times torch.mv's GB/s."""
-CONTENDED_SHARE = 0.85
-"""A measurement whose threads held less than this share of their cores (the process's CPU time over wall time x
-threads) was taken beside other work; a torch.mv win from it is not stored (``_stored_choice``)."""
-_chosen: dict[tuple[torch.dtype, int], Callable | None] = {}
+KERNELS = ("kernel", "kernel_pairs")
+"""The compiled candidates: one weight row at a time per thread (``linear_f32`` / ``linear_bf16_dp``), or two
+(their ``_pairs`` twins)."""
+_chosen: dict[tuple[torch.dtype, int], tuple[str, Callable | None]] = {}
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -59,29 +62,32 @@ def applies(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not torch._C._is_torch_function_mode_enabled()
 
 
-def rows_kernel(dtype: torch.dtype):
+def rows_kernel(dtype: torch.dtype, pairs: bool = False):
     """The compiled ``shardwise_rows`` product ``op(x [M, K], w [N, K])`` for ``dtype`` (``linear_f32``,
-    ``linear_bf16_dp``), or None where this CPU or machine cannot run it (no compiler; no AVX-512 /
+    ``linear_bf16_dp``; with ``pairs``, their ``_pairs`` twins: one row of x runs against two weight rows at a
+    time, the same bits), or None where this CPU or machine cannot run it (no compiler; no AVX-512 /
     AVX512-BF16: the library registers no such op)."""
     name = _ROWS_OPS.get(dtype)
-    return None if name is None else cpp_ops.optional_op(ROWS_SOURCE, "shardwise_rows", name)
+    return None if name is None else cpp_ops.optional_op(ROWS_SOURCE, "shardwise_rows", name + ("_pairs" if pairs else ""))
 
 
-def _candidate(dtype: torch.dtype) -> Callable | None:
-    """``fn(weight, x)``: the compiled one-row product for ``dtype``, or None."""
-    op = rows_kernel(dtype)
-    return None if op is None else (lambda weight, x: op(x.view(1, -1), weight).view(-1))
+def _candidates(dtype: torch.dtype) -> dict[str, Callable]:
+    """The compiled one-row products ``fn(weight, x)`` for ``dtype`` by ``KERNELS`` name (none where the
+    kernel does not build)."""
+    found = {}
+    for name in KERNELS:
+        op = rows_kernel(dtype, pairs=name == "kernel_pairs")
+        if op is not None:
+            found[name] = lambda weight, x, op=op: op(x.view(1, -1), weight).view(-1)
+    return found
 
 
-def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
-    """GB/s of weight bytes that ``torch.mv`` and ``kernel(weight, x)`` stream for one row of ``dtype``, best of
-    ``rounds`` over ``nbytes`` of weights shaped as ``MEASURE_SHAPES``, held in huge pages where the host gives
-    them (as the loader holds a model's); and ``cpu_share``, the share of its threads' cores the process held
-    while measuring (below ``CONTENDED_SHARE``: other work ran beside it). Within a round the candidates take
-    turns weight by weight (each on
-    its own weights, none read from cache; the next round swaps them), so a noisy neighbour's burst slows
-    both alike: with whole rounds alternating, one taken while the CPU was busy once stored torch.mv as the
-    choice at half the kernel's speed."""
+def measure(dtype: torch.dtype, kernels: dict[str, Callable], nbytes: int = MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
+    """GB/s of weight bytes that ``torch.mv`` and each of ``kernels`` (``fn(weight, x)``) stream for one row of
+    ``dtype``, best of ``rounds`` over ``nbytes`` of weights shaped as ``MEASURE_SHAPES``, held in huge pages
+    where the host gives them (as the loader holds a model's), the candidates taking turns weight by weight
+    (``kernel_choice.side_by_side``); and ``cpu_share``, the share of its threads' cores the process held while
+    measuring (below ``CONTENDED_SHARE``: other work ran beside it)."""
     size = torch.empty(0, dtype=dtype).element_size()
     shapes = MEASURE_SHAPES * -(-nbytes // (size * sum(r * c for r, c in MEASURE_SHAPES)))
     total = size * sum(r * c for r, c in shapes)
@@ -93,43 +99,54 @@ def measure(dtype: torch.dtype, kernel: Callable, nbytes: int = MEASURE_BYTES, r
         weights.append(memory[start : start + rows * cols * size].view(dtype).view(rows, cols).fill_(0.5))  # mapped
         start += rows * cols * size
     xs = {k: torch.full((k,), 0.01, dtype=dtype) for k in {s[1] for s in MEASURE_SHAPES}}
-    candidates = (("torch_mv", torch.mv), ("kernel", kernel))
-    best = {"torch_mv": 0.0, "kernel": 0.0}
-    wall, cpu = time.perf_counter(), time.process_time()
-    for r in range(rounds):
-        spent, moved = {"torch_mv": 0.0, "kernel": 0.0}, {"torch_mv": 0, "kernel": 0}
-        for i, w in enumerate(weights):
-            name, fn = candidates[(i + r) % 2]
-            start = time.perf_counter()
-            fn(w, xs[w.shape[1]])
-            spent[name] += time.perf_counter() - start
-            moved[name] += w.numel() * size
-        for name in best:
-            best[name] = max(best[name], moved[name] / spent[name] / 1e9)
-    share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
-    return {**best, "cpu_share": share}
+    candidates = {"torch_mv": torch.mv, **kernels}
+
+    def run(name: str, i: int) -> int:
+        w = weights[i]
+        candidates[name](w, xs[w.shape[1]])
+        return w.numel() * size
+
+    return kernel_choice.side_by_side(tuple(candidates), run, len(weights), rounds)
+
+
+def decide(rates: dict[str, float]) -> str:
+    """The choice among measured ``rates`` (GB/s by candidate): the faster compiled kernel if it streams at least
+    ``KERNEL_MARGIN`` times torch.mv's GB/s, else ``torch_mv``."""
+    best = max((name for name in KERNELS if name in rates), key=lambda name: rates[name], default=None)
+    return best if best is not None and rates[best] >= KERNEL_MARGIN * rates["torch_mv"] else "torch_mv"
 
 
 def chosen_kernel(dtype: torch.dtype) -> Callable | None:
-    """The compiled one-row product ``fn(weight, x)`` for ``dtype`` if it is the faster candidate on this
-    machine at torch's current thread count, else None (``torch.mv``). Decided once per process, from
-    the machine's stored measurement or by measuring (module docstring)."""
+    """The compiled one-row product ``fn(weight, x)`` for ``dtype`` that is the fastest candidate on this
+    machine at torch's current thread count, or None (``torch.mv`` is): ``chosen_name``'s."""
+    return _choice(dtype)[1]
+
+
+def chosen_name(dtype: torch.dtype) -> str:
+    """Which one-row product this process runs for ``dtype``: ``torch_mv`` or one of ``KERNELS``."""
+    return _choice(dtype)[0]
+
+
+def _choice(dtype: torch.dtype) -> tuple[str, Callable | None]:
+    """(name, compiled product or None) for ``dtype`` at torch's current thread count: decided once per process,
+    from the machine's stored measurement or by measuring (module docstring); ``SHARDWISE_GEMV`` overrides it."""
     key = (dtype, torch.get_num_threads())
     if key not in _chosen:
-        candidate = _candidate(dtype)
+        candidates = _candidates(dtype)
         forced = os.environ.get("SHARDWISE_GEMV", "").strip().lower()
-        if forced not in ("", "torch", "kernel"):
-            raise ShardwiseError(f"SHARDWISE_GEMV={forced!r}: set it to 'torch' or 'kernel', or unset it to measure")
-        if candidate is None or forced == "torch":
-            _chosen[key] = None
-        elif forced == "kernel":
-            _chosen[key] = candidate
+        if forced not in ("", "torch", *KERNELS):
+            raise ShardwiseError(f"SHARDWISE_GEMV={forced!r}: set it to 'torch', 'kernel' or 'kernel_pairs', or unset it to measure")
+        if not candidates or forced == "torch":
+            name = "torch_mv"
+        elif forced:
+            name = forced if forced in candidates else "torch_mv"
         else:
-            _chosen[key] = candidate if _stored_choice(candidate, dtype, key[1])["choice"] == "kernel" else None
+            name = _stored_choice(dtype, key[1])["choice"]
+        _chosen[key] = (name, candidates.get(name))
     return _chosen[key]
 
 
-def _stored_choice(candidate: Callable, dtype: torch.dtype, threads: int) -> dict:
+def _stored_choice(dtype: torch.dtype, threads: int) -> dict:
     """This machine's measurement for ``dtype`` at ``threads`` threads: read, or measured and stored — except a
     torch.mv win measured while other work held the cores (``cpu_share`` below ``CONTENDED_SHARE``): that one
     serves its own process and the next one measures again. Contention slows the kernel's threads more than
@@ -138,19 +155,8 @@ def _stored_choice(candidate: Callable, dtype: torch.dtype, threads: int) -> dic
     and every later process follows a stored choice: one stored during a test run here (kernel 9.1, torch.mv
     14.3 GB/s) halved float32 decode (17.2 -> 7.9 tok/s in benchmarks/bench_decode.py)."""
     path = cpp_ops.build_dir(ROWS_SOURCE) / f"gemv-choice-{str(dtype).removeprefix('torch.')}-{threads}t.json"
-    with open(path.with_suffix(".flock"), "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        try:
-            record = json.loads(path.read_text())
-            if "cpu_share" in record:  # older records (without it) may hold such a win: measured again
-                return record
-        except (OSError, ValueError):
-            pass
-        rates = measure(dtype, candidate)
-        record = {**rates, "choice": "kernel" if rates["kernel"] >= KERNEL_MARGIN * rates["torch_mv"] else "torch_mv"}
-        if record["choice"] == "kernel" or rates["cpu_share"] >= CONTENDED_SHARE:
-            path.write_text(json.dumps(record))
-        return record
+    return kernel_choice.stored(path, lambda: measure(dtype, _candidates(dtype)), decide,
+                                lambda record: record["choice"] != "torch_mv" or record["cpu_share"] >= CONTENDED_SHARE)
 
 
 def experts_kernel(dtype: torch.dtype):

@@ -16,7 +16,10 @@ int4 checkpoint in bfloat16: 1.31× the float32 path (best of four rounds each, 
 bfloat16 row take the same instruction: each weight splits exactly into its signed high and unsigned
 low nibble (q = 16·h + l), each one table lookup to bfloat16, two vdpbf16ps per 32 weights — on an AMD
 EPYC (Zen 4) VM 23 GB/s of int8 weights (300 MB cycled, two threads) against 12-15 for widening the
-row to float32.
+row to float32. On a Xeon with AMX the other way round: from cache, one core, int8 12.7 GB/s with the
+bfloat16 row against 20.0 widened (int4 9.2 against 11.4); a decode step of the 2048x10 llama's int8 checkpoint
+in bfloat16, 8 rounds in shuffled order in one process: 33.1 -> 37.3 tok/s widened (int4: 51.9 both). So which
+path bfloat16 rows take is measured once per machine (``widens_bfloat16``).
 
 The kernel reads int8 [out, in] (or uint8 [out, in/2] holding two 4-bit values) and the
 checkpoint's own scales [out, in/group] (bfloat16 or float32) as stored, so the rank holds
@@ -39,6 +42,7 @@ process), a 512-token prefill of the 2048x10 llama, int4 / int8: bfloat16 rows 1
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -48,7 +52,7 @@ from torch import nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.quant import int_codec
-from shardwise.runtime import cpp_ops, gemv
+from shardwise.runtime import cpp_ops, gemv, hugepages, kernel_choice
 
 SOURCE = "int_matmul.cpp"
 GEMM_ROWS = 16
@@ -56,7 +60,10 @@ GEMM_ROWS = 16
 else float32; verify passes of up to 15 rows keep the row-invariant kernel)."""
 BLOCK_ELEMENTS = 1 << 20
 """Weights dequantized per block (4 MB of float32: in cache while the GEMM reads it)."""
+WIDEN_MARGIN = 1.05
+"""bfloat16 rows are widened to float32 only if that streams at least this many times as fast (``widens_bfloat16``)."""
 _kernel = None
+_widened: dict[tuple[int, int], bool] = {}
 
 
 def runs_as_gemm(rows: torch.Tensor) -> bool:
@@ -65,9 +72,65 @@ def runs_as_gemm(rows: torch.Tensor) -> bool:
     return rows.shape[0] >= GEMM_ROWS and gemv.applies(rows)
 
 
-def kernel_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` as the kernel reads them: bfloat16 as they are, any other dtype as float32; contiguous."""
-    return (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()
+def kernel_rows(rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """``rows`` as the kernel reads them for ``bits``-bit weights, contiguous: bfloat16 as they are unless this
+    machine multiplies them faster widened to float32 (``widens_bfloat16``), any other dtype as float32."""
+    return (rows if rows.dtype == torch.bfloat16 and not widens_bfloat16(bits) else rows.float()).contiguous()
+
+
+def widens_bfloat16(bits: int) -> bool:
+    """Whether bfloat16 rows times ``bits``-bit weights go to the kernel widened to float32 (exactly: the
+    products and sums are then the float32 path's) rather than as bfloat16 (the vdpbf16ps path): the faster
+    of the two on this machine at torch's current thread count, measured once (``measure_rows``) and stored
+    beside the kernel's build; widened wherever the CPU has no AVX512-BF16 (the kernel would widen them itself).
+    ``SHARDWISE_INT_ROWS=bfloat16`` or ``=float32`` overrides it. Decided once per process."""
+    key = (bits, torch.get_num_threads())
+    if key not in _widened:
+        forced = os.environ.get("SHARDWISE_INT_ROWS", "").strip().lower()
+        if forced not in ("", "bfloat16", "float32"):
+            raise ShardwiseError(f"SHARDWISE_INT_ROWS={forced!r}: set it to 'bfloat16' or 'float32', or unset it to measure")
+        if forced:
+            _widened[key] = forced == "float32"
+        elif not {"avx512_bf16", "avx512vl"} <= cpp_ops.cpu_flags():
+            _widened[key] = True
+        else:
+            path = build_dir() / f"int-rows-choice-{bits}bit-{key[1]}t.json"
+            record = kernel_choice.stored(
+                path, lambda: measure_rows(bits),
+                lambda rates: "float32" if rates["float32"] >= WIDEN_MARGIN * rates["bfloat16"] else "bfloat16",
+                lambda record: record["cpu_share"] >= kernel_choice.CONTENDED_SHARE)
+            _widened[key] = record["choice"] == "float32"
+    return _widened[key]
+
+
+def measure_rows(bits: int, nbytes: int = gemv.MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
+    """GB/s of packed weight bytes (and scales) the kernel streams for one bfloat16 row passed as it is
+    (``bfloat16``) and widened to float32 (``float32``, the widening timed with it), best of ``rounds`` over
+    ``nbytes`` of ``bits``-bit weights (per channel for 8 bits, groups of 32 for 4, bfloat16 scales) shaped as
+    a decoder's (``gemv.MEASURE_SHAPES``), in huge pages where the host gives them, the two taking turns weight
+    by weight (``kernel_choice.side_by_side``); and ``cpu_share``."""
+    shape_bytes = [(n, k, n * k * bits // 8, n * (1 if bits == 8 else k // 32) * 2) for n, k in gemv.MEASURE_SHAPES]
+    copies = -(-nbytes // sum(q + s for _, _, q, s in shape_bytes))
+    total = copies * sum(q + s for _, _, q, s in shape_bytes)
+    memory = hugepages.arena(total)
+    if memory is None:
+        memory = torch.empty(total, dtype=torch.uint8)
+    weights, start = [], 0
+    for n, k, qb, sb in shape_bytes * copies:
+        q = memory[start : start + qb].fill_(0x5A).view(torch.int8 if bits == 8 else torch.uint8).view(n, -1)
+        scale = memory[start + qb : start + qb + sb].view(torch.bfloat16).view(n, -1).fill_(0.01)
+        weights.append((q, scale, k if bits == 8 else 32, qb + sb))
+        start += qb + sb
+    xs = {k: torch.full((1, k), 0.5, dtype=torch.bfloat16) for _, k in gemv.MEASURE_SHAPES}
+    op = kernel()
+
+    def run(name: str, i: int) -> int:
+        q, scale, group, moved = weights[i]
+        x = xs[q.shape[1] * 8 // bits]
+        op(x if name == "bfloat16" else x.float(), q, scale, bits, group, torch.bfloat16)
+        return moved
+
+    return kernel_choice.side_by_side(("bfloat16", "float32"), run, len(weights), rounds)
 
 
 def kernel():
@@ -143,7 +206,7 @@ class IntWeight(nn.Module):
             y = self._dequantized_blocks(rows)
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
-        rows = kernel_rows(rows)
+        rows = kernel_rows(rows, self.bits)
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
             return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype).view(*x.shape[:-1], self.q.shape[0])
         y = kernel()(rows, self.q, self.scale, self.bits, self.group)

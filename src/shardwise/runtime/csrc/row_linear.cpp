@@ -7,7 +7,8 @@
 // a 16-row GEMM: a one-row call streams the weight once at GEMV speed.
 //
 // Tiles of up to 4 x rows by 4 weight rows (16 accumulators; a weight block of 4 rows stays in L1 while the
-// x rows of a 64-row chunk pass over it), or, for one x row (decode), one weight row at a time: each thread
+// x rows of a 64-row chunk pass over it), or, for one x row (decode), one weight row at a time (the _pairs ops:
+// two, which a Xeon streams 5-10% faster; runtime.gemv measures which a machine runs): each thread
 // streams one run of consecutive rows (the tile shape changes no output's bits: each output is its own
 // 16-lane chain). Threads split the weight rows (at::parallel_for over the blocks; one x row: runs of 64
 // rows from a shared counter, dynamic_for.h). One row at a time against 1 x 8 tiles (eight streams in
@@ -63,7 +64,6 @@
 namespace {
 
 constexpr int64_t kWeightRows = 4;   // weight rows per tile
-constexpr int64_t kOneRowWeightRows = 1;  // weight rows per tile when M = 1 (decode): one stream per thread
 constexpr int64_t kChunkRows = 64;   // x rows passing over one weight block before the next block
 // Weight rows a thread takes at a time when M = 1 (dynamic_for.h): at least 64, and at least kChunkBytes of them
 // (bfloat16 [1024, 256] weights, 300 MB cycled, 2 threads, side by side: 17-19 GB/s in runs of 64 rows, 20.5-23
@@ -136,8 +136,9 @@ void tile(const typename E::T* x, const typename E::T* w, typename E::T* y, int6
 }
 
 // y [M, N] = x [M, K] w [N, K]^T in E's type: tiles over 4-row weight blocks split across threads, 64-row x
-// chunks passing over each block; one x row: one weight row at a time.
-template <class E>
+// chunks passing over each block; one x row: OneRow weight rows at a time (1 or 2: the _pairs ops, whose two
+// streams per thread read faster on a Xeon; runtime.gemv measures which of them a machine runs for decode).
+template <class E, int64_t OneRow = 1>
 at::Tensor rows_times(const at::Tensor& x, const at::Tensor& w) {
   using T = typename E::T;
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -146,12 +147,12 @@ at::Tensor rows_times(const at::Tensor& x, const at::Tensor& w) {
   const T* wp = reinterpret_cast<const T*>(w.data_ptr());
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   if (M == 1) {
-    const int64_t blocks = (N + kOneRowWeightRows - 1) / kOneRowWeightRows;
-    const int64_t chunk = std::max(kOneRowChunk, shardwise::run_rows(K * int64_t(sizeof(T)) * kOneRowWeightRows, 1));
+    const int64_t blocks = (N + OneRow - 1) / OneRow;
+    const int64_t chunk = std::max(kOneRowChunk, shardwise::run_rows(K * int64_t(sizeof(T)) * OneRow, 1));
     shardwise::dynamic_for(blocks, chunk, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n0 = b * kOneRowWeightRows;
-        tile<E, 1, kOneRowWeightRows>(xp, wp, yp, K, N, 0, n0, std::min(kOneRowWeightRows, N - n0));
+        const int64_t n0 = b * OneRow;
+        tile<E, 1, OneRow>(xp, wp, yp, K, N, 0, n0, std::min(OneRow, N - n0));
       }
     });
     return y;
@@ -187,10 +188,20 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
   return rows_times<F32>(x, w);
 }
 
+at::Tensor linear_f32_pairs(const at::Tensor& x, const at::Tensor& w) {
+  check_rows(x, w, at::kFloat, "float32");
+  return rows_times<F32, 2>(x, w);
+}
+
 #ifdef SHARDWISE_DP_BF16
 at::Tensor linear_bf16_dp(const at::Tensor& x, const at::Tensor& w) {
   check_rows(x, w, at::kBFloat16, "bfloat16");
   return rows_times<BF16>(x, w);
+}
+
+at::Tensor linear_bf16_dp_pairs(const at::Tensor& x, const at::Tensor& w) {
+  check_rows(x, w, at::kBFloat16, "bfloat16");
+  return rows_times<BF16, 2>(x, w);
 }
 #endif
 
@@ -374,11 +385,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
 
 TORCH_LIBRARY(shardwise_rows, m) {
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor", &linear_f32);
+  m.def("linear_f32_pairs(Tensor x, Tensor w) -> Tensor", &linear_f32_pairs);
 #if defined(SHARDWISE_AMX_BF16)
   if (amx_permitted()) m.def("linear_bf16(Tensor x, Tensor w) -> Tensor", &linear_bf16);
 #endif
 #if defined(SHARDWISE_DP_BF16)
   m.def("linear_bf16_dp(Tensor x, Tensor w) -> Tensor", &linear_bf16_dp);
+  m.def("linear_bf16_dp_pairs(Tensor x, Tensor w) -> Tensor", &linear_bf16_dp_pairs);
 #endif
 }
 #else
