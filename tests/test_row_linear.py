@@ -147,3 +147,27 @@ def test_pairs_twin_gives_the_same_bits(dtype):
         assert torch.equal(pairs(x, weight), single(x, weight)), (n, k)
         three = torch.randn(3, k, generator=gen).to(dtype)  # several rows: the same tiles as the one-row op's
         assert torch.equal(pairs(three, weight), single(three, weight)), (n, k)
+
+
+def test_exact_one_row_takes_the_faster_schedule(monkeypatch):
+    """Under ``row_blocked()`` a one-row float32 product runs the ``_pairs`` twin where the machine measured it
+    faster (here forced through ``SHARDWISE_GEMV=kernel_pairs``) and the one-row op otherwise; several rows keep
+    the tiled op; every way gives the same bits."""
+    from shardwise.runtime import gemv
+
+    _kernel()
+    weight = torch.randn(37, 300, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
+    ops = {}
+    for forced in ("kernel_pairs", "kernel"):
+        monkeypatch.setenv("SHARDWISE_GEMV", forced)
+        monkeypatch.setattr(gemv, "_chosen", {})
+        ops[forced] = exact.fixed_order_linear(x[:1], weight)
+        assert exact.fixed_order_linear(x, weight) is gemv.rows_kernel(torch.float32)
+    assert ops["kernel_pairs"] is gemv.rows_kernel(torch.float32, pairs=True)
+    assert ops["kernel"] is gemv.rows_kernel(torch.float32)
+    many = ops["kernel"](x, weight)
+    for i in range(4):
+        assert torch.equal(ops["kernel_pairs"](x[i : i + 1], weight), many[i : i + 1])
+        with row_blocked():
+            assert torch.equal(F.linear(x[i : i + 1], weight), many[i : i + 1])

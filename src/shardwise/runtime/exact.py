@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from shardwise.runtime import cpp_ops
+from shardwise.runtime import cpp_ops, gemv
 
 ROW_BLOCK = 16
 """Rows of every GEMM under ``row_blocked()`` are padded to a multiple of this."""
@@ -84,7 +84,8 @@ def fixed_order_linear(rows: torch.Tensor, weight: torch.Tensor, vector_kernels:
     """The compiled ``shardwise_rows`` op for this product where one computes it (rows [M, K] and a
     contiguous weight [N, K] of one dtype on CPU: ``linear_f32`` for float32 on an AVX-512 build;
     for bfloat16 ``linear_bf16`` on an AMX-BF16 build that Linux lets use the tile registers, else
-    ``linear_bf16_dp`` on an AVX512-BF16 one), else None; ``vector_kernels=False`` leaves out
+    ``linear_bf16_dp`` on an AVX512-BF16 one; for one row, a vector kernel's ``_pairs`` twin where this machine
+    streams it faster, ``gemv.pairs_faster``: the same bits), else None; ``vector_kernels=False`` leaves out
     ``VECTOR_KERNELS``."""
     names = _KERNELS.get(rows.dtype, ())
     if rows.device.type != "cpu" or weight.dtype != rows.dtype or weight.dim() != 2 or not weight.is_contiguous():
@@ -92,7 +93,13 @@ def fixed_order_linear(rows: torch.Tensor, weight: torch.Tensor, vector_kernels:
     for name in names:
         op = cpp_ops.optional_op("row_linear.cpp", "shardwise_rows", name)
         if op is not None:
-            return op if vector_kernels or name not in VECTOR_KERNELS else None
+            if name not in VECTOR_KERNELS:
+                return op
+            if not vector_kernels:
+                return None
+            if rows.shape[0] == 1 and gemv.pairs_faster(rows.dtype):  # the same bits, the faster schedule here
+                return cpp_ops.optional_op("row_linear.cpp", "shardwise_rows", name + "_pairs") or op
+            return op
     return None
 
 

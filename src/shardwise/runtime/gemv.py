@@ -38,7 +38,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.runtime import cpp_ops, hugepages, kernel_choice
 from shardwise.runtime.kernel_choice import CONTENDED_SHARE
 
-__all__ = ["applies", "chosen_kernel", "chosen_name", "experts_kernel", "mv", "rows_kernel"]
+__all__ = ["applies", "chosen_kernel", "chosen_name", "experts_kernel", "mv", "pairs_faster", "rows_kernel"]
 
 SOURCE = "decode_gemv.cpp"
 ROWS_SOURCE = "row_linear.cpp"
@@ -52,7 +52,7 @@ KERNEL_MARGIN = 1.05
 KERNELS = ("kernel", "kernel_pairs")
 """The compiled candidates: one weight row at a time per thread (``linear_f32`` / ``linear_bf16_dp``), or two
 (their ``_pairs`` twins)."""
-_chosen: dict[tuple[torch.dtype, int], tuple[str, Callable | None]] = {}
+_chosen: dict[tuple[torch.dtype, int], tuple[str, Callable | None, bool]] = {}
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -127,22 +127,33 @@ def chosen_name(dtype: torch.dtype) -> str:
     return _choice(dtype)[0]
 
 
-def _choice(dtype: torch.dtype) -> tuple[str, Callable | None]:
-    """(name, compiled product or None) for ``dtype`` at torch's current thread count: decided once per process,
-    from the machine's stored measurement or by measuring (module docstring); ``SHARDWISE_GEMV`` overrides it."""
+def pairs_faster(dtype: torch.dtype) -> bool:
+    """Whether the compiled one-row product streams faster two weight rows at a time (``kernel_pairs``) than one
+    (``kernel``) for ``dtype`` here, whichever of the candidates decode runs: ``runtime.exact`` takes its one-row
+    fixed-order products in that schedule (the same bits either way). ``SHARDWISE_GEMV=kernel_pairs`` says yes,
+    ``=torch`` or ``=kernel`` no."""
+    return _choice(dtype)[2]
+
+
+def _choice(dtype: torch.dtype) -> tuple[str, Callable | None, bool]:
+    """(name, compiled product or None, ``pairs_faster``) for ``dtype`` at torch's current thread count: decided
+    once per process, from the machine's stored measurement or by measuring (module docstring);
+    ``SHARDWISE_GEMV`` overrides it."""
     key = (dtype, torch.get_num_threads())
     if key not in _chosen:
         candidates = _candidates(dtype)
         forced = os.environ.get("SHARDWISE_GEMV", "").strip().lower()
         if forced not in ("", "torch", *KERNELS):
             raise ShardwiseError(f"SHARDWISE_GEMV={forced!r}: set it to 'torch', 'kernel' or 'kernel_pairs', or unset it to measure")
+        pairs = forced == "kernel_pairs"
         if not candidates or forced == "torch":
             name = "torch_mv"
         elif forced:
             name = forced if forced in candidates else "torch_mv"
         else:
-            name = _stored_choice(dtype, key[1])["choice"]
-        _chosen[key] = (name, candidates.get(name))
+            record = _stored_choice(dtype, key[1])
+            name, pairs = record["choice"], record.get("kernel_pairs", 0.0) > record.get("kernel", 0.0)
+        _chosen[key] = (name, candidates.get(name), pairs and "kernel_pairs" in candidates)
     return _chosen[key]
 
 
