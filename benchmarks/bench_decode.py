@@ -338,7 +338,8 @@ def main() -> None:
     print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped "
           f"(one-row products: {products}, this machine's measured choice)")
     print(f"  exact=True     {padded:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in exact)}), row-invariant products")
-    print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)})")
+    print(f"transformers     {hf:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in theirs)}; {100 * hf / ceiling:.0f}% of the "
+          f"best sample's roofline: 1.5x transformers would be {150 * hf / ceiling:.0f}% of it)")
     print(f"shardwise / transformers = {best / hf:.2f}x ({padded / hf:.2f}x with exact=True); "
           f"shardwise / roofline = {100 * best / ceiling:.0f}% of the best sample's ({100 * padded / ceiling:.0f}%), "
           f"{paired_shares(ours, weight_bytes)}")
