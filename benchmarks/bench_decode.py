@@ -29,11 +29,15 @@ All figures come from this one run on this machine, so the ratios are what to re
    dtype, greedy, ``use_cache``; decode tok/s = (N − 1) / (t(N new tokens) − t(1 new token)).
    Rounds alternate 2 and 3; the best round of each is kept. It runs as users run it: its weights
    in torch's allocator's 4 KB pages (torch asks for huge pages only under ``THP_MEM_ALLOC_ENABLE=1``
-   set before start), where shardwise's loader moves its weights into 2 MB pages.
-4. **llama.cpp** (llama-cpp-python, built from source) on the same weights as GGUF — F32 as llama.cpp's
-   converter writes it, BF16 / Q8_0 / Q4_0 by llama.cpp's own quantizer — same threads: decode
-   tok/s, its bytes per token and share of the roofline, and shardwise's ratio at the matching
-   dtype (``--no-llama-cpp`` skips it).
+   set before start), where shardwise's loader moves its weights into 2 MB pages. Its own share of the
+   roofline is printed beside it, and what 1.5x of it would need (where its BLAS streams near the
+   machine's bandwidth, as MKL's float32 GEMV does on a Xeon, no runtime can be 1.5x faster).
+4. **llama.cpp** (llama-cpp-python, built from source; ``llama_cpp_peer.py``) on the same weights as
+   GGUF — F32 as llama.cpp's converter writes it, BF16 / Q8_0 / Q4_0 by llama.cpp's own quantizer —
+   same threads: decode tok/s, its bytes per token and share of the roofline, and shardwise's ratio
+   at the matching dtype (``--no-llama-cpp`` skips it). A format whose repacked weights crash
+   llama.cpp on this machine (tried in a child process first) runs with them off, as its
+   ``--no-repack``, and the table says so.
 5. **shardwise int8 / int4** (``quantize --format int8`` per channel, ``int4`` groups of 32, with
    ``--lm-head``: the LM head quantized too, as llama.cpp's files hold theirs — Q8_0's in Q8_0, Q4_0's
    in Q6_K; the embedding stays float, one row read per token) at tp=1, activations in ``--dtype``:
