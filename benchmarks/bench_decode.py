@@ -334,11 +334,12 @@ def main() -> None:
                 "kernel_pairs": "the compiled kernel, two weight rows at a time"}[gemv.chosen_name(getattr(torch, args.dtype))]
 
     def row_path(fmt: str) -> str:
-        """How the int kernel takes bfloat16 rows here (this machine's measured choice)."""
-        if args.dtype != "bfloat16":
-            return ""
-        widened = int_matmul.widens_bfloat16(8 if fmt == "int8" else 4)
-        return f" ({'widened to float32' if widened else 'as they are (vdpbf16ps)'} in the kernel: this machine's measured choice)"
+        """How the int kernel takes this run's rows here (this machine's measured choice)."""
+        bits = 8 if fmt == "int8" else 4
+        path = int_matmul.row_path(bits) if args.dtype == "bfloat16" else "float32_pairs" if int_matmul.pairs(bits) else "float32"
+        return {"bfloat16": " (as they are (vdpbf16ps) in the kernel", "float32": " (as float32 in the kernel",
+                "float32_pairs": " (as float32, two weight rows at a time, in the kernel"}[path] + ": this machine's measured choice)"
+
     print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped "
           f"(one-row products: {products}, this machine's measured choice)")
     print(f"  exact=True     {padded:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x in exact)}), row-invariant products")

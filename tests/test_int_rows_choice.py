@@ -1,6 +1,7 @@
-"""How bfloat16 rows reach the int8 / int4 kernel (``int_matmul.widens_bfloat16``): as they are (vdpbf16ps) or
-widened to float32, whichever this machine measured faster — measured once, stored, followed, overridable — and
-both paths giving the same product to float32 rounding."""
+"""How rows reach the int8 / int4 kernel (``int_matmul.row_path`` / ``int_matmul.pairs``): bfloat16 rows as they
+are (vdpbf16ps) or widened to float32, and float32 rows times int8 weights one or two weight rows at a time —
+whichever this machine measured faster: measured once, stored, followed, overridable; every path giving the same
+product to float32 rounding, and the two-row path the one-row path's bits."""
 
 from __future__ import annotations
 
@@ -10,70 +11,97 @@ import pytest
 import torch
 
 from shardwise.quant import int_codec
+from shardwise.runtime import int_matmul
 from shardwise.runtime.int_matmul import IntWeight
 
 
 @pytest.fixture
 def fresh_rows_choice(tmp_path, monkeypatch):
-    """The int kernels' bfloat16-row choice stored under ``tmp_path``, none made yet in this process."""
-    from shardwise.runtime import int_matmul
-
+    """The int kernels' row-path choice stored under ``tmp_path``, none made yet in this process."""
     monkeypatch.setattr(int_matmul, "build_dir", lambda: tmp_path)
-    monkeypatch.setattr(int_matmul, "_widened", {})
+    monkeypatch.setattr(int_matmul, "_paths", {})
     monkeypatch.delenv("SHARDWISE_INT_ROWS", raising=False)
     return tmp_path
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_bfloat16_rows_path_is_measured_once_and_followed(fresh_rows_choice, bits):
-    """Whether bfloat16 rows reach the int kernel as they are (vdpbf16ps) or widened to float32: measured once
-    per machine (each path streaming real packed weights from memory), stored (unless measured beside other
-    work), read back by later processes; the module follows it, and both paths give the same product to float32
-    rounding (a bfloat16 row widens exactly)."""
-    from shardwise.runtime import int_matmul
+def _weight(bits: int, rows: int = 40, width: int = 256, seed: int = 0) -> IntWeight:
+    w = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q, s = int_codec.encode(w.numpy(), bits, width if bits == 8 else 32)
+    return IntWeight.from_stored(torch.from_numpy(int_codec.pack(q, bits)), torch.from_numpy(s).bfloat16(), bits)
 
-    if not {"avx512_bf16", "avx512vl"} <= int_matmul.cpp_ops.cpu_flags():
-        assert int_matmul.widens_bfloat16(bits)  # no vdpbf16ps path: the row is widened, nothing measured
-        assert not list(fresh_rows_choice.iterdir())
-        return
-    widened = int_matmul.widens_bfloat16(bits)
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_row_path_is_measured_once_and_followed(fresh_rows_choice, bits):
+    names = int_matmul.candidates(bits)
     path = fresh_rows_choice / f"int-rows-choice-{bits}bit-{torch.get_num_threads()}t.json"
-    if path.exists():
+    chosen = int_matmul.row_path(bits)
+    assert chosen in names
+    if len(names) == 1:  # nothing to choose between on this CPU: nothing measured
+        assert not path.exists() and not int_matmul.pairs(bits)
+    elif path.exists():  # measured without other work beside it: stored
         stored = json.loads(path.read_text())
-        assert stored["bfloat16"] > 0.5 and stored["float32"] > 0.5, stored  # GB/s over 512 MB
+        assert all(stored[name] > 0.5 for name in names), stored  # GB/s over 512 MB of packed weights
         assert stored["cpu_share"] >= int_matmul.kernel_choice.CONTENDED_SHARE
-        assert stored["choice"] == ("float32" if stored["float32"] >= int_matmul.WIDEN_MARGIN * stored["bfloat16"] else "bfloat16")
-        assert widened == (stored["choice"] == "float32")
-    gen = torch.Generator().manual_seed(bits)
-    group = 256 if bits == 8 else 32
-    w = torch.randn(40, 256, generator=gen) * 0.05
-    q, s = int_codec.encode(w.numpy(), bits, group)
-    weight = IntWeight.from_stored(torch.from_numpy(int_codec.pack(q, bits)), torch.from_numpy(s).bfloat16(), bits)
-    x = torch.randn(1, 256, generator=gen).bfloat16()
-    outputs = {}
-    for choice in ("bfloat16", "float32"):  # a stored choice is what a new process follows
-        path.write_text(json.dumps({"bfloat16": 1.0, "float32": 1.0, "cpu_share": 1.0, "choice": choice}))
-        int_matmul._widened.clear()
-        assert int_matmul.widens_bfloat16(bits) == (choice == "float32")
-        rows = int_matmul.kernel_rows(x, bits)
-        assert rows.dtype == (torch.float32 if choice == "float32" else torch.bfloat16)
-        outputs[choice] = weight(x)
-        assert torch.equal(outputs[choice], int_matmul.kernel()(rows, weight.q, weight.scale, bits, group, torch.bfloat16))
+        assert stored["choice"] == chosen == int_matmul.decide_rows({name: stored[name] for name in names})
+        assert int_matmul.pairs(bits) == (stored.get("float32_pairs", 0.0) > stored["float32"])
+    weight, x = _weight(bits), torch.randn(1, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     exact = x.double() @ weight.dequantized().double().T
-    for y in outputs.values():
+    for choice in names:  # a stored choice is what a new process follows
+        rates = dict.fromkeys(names, 1.0) | {"cpu_share": 1.0, "choice": choice}
+        path.write_text(json.dumps(rates | ({"float32_pairs": 2.0} if choice == "float32_pairs" else {})))
+        int_matmul._paths.clear()
+        assert int_matmul.row_path(bits) == choice and int_matmul.pairs(bits) == (choice == "float32_pairs")
+        rows = int_matmul.kernel_rows(x, bits)
+        assert rows.dtype == (torch.bfloat16 if choice == "bfloat16" else torch.float32)
+        y = weight(x)
+        assert torch.equal(y, int_matmul.kernel()(rows, weight.q, weight.scale, bits, weight.group, torch.bfloat16))
         torch.testing.assert_close(y.double(), exact, rtol=2**-7, atol=1e-5)
 
 
-def test_bfloat16_rows_override_and_its_error(fresh_rows_choice, monkeypatch):
-    from shardwise.errors import ShardwiseError
-    from shardwise.runtime import int_matmul
+def test_decide_rows_widens_only_past_the_margin():
+    margin = int_matmul.WIDEN_MARGIN
+    assert int_matmul.decide_rows({"bfloat16": 10.0, "float32": 10.0 * margin * 0.99}) == "bfloat16"
+    assert int_matmul.decide_rows({"bfloat16": 10.0, "float32": 10.0 * margin}) == "float32"
+    assert int_matmul.decide_rows({"bfloat16": 10.0, "float32": 10.0, "float32_pairs": 12.0}) == "float32_pairs"
+    assert int_matmul.decide_rows({"float32": 10.0, "float32_pairs": 9.0}) == "float32"
 
-    for forced, widened in (("float32", True), ("bfloat16", False)):
+
+@pytest.mark.parametrize(("rows", "width", "group"), [(37, 256, 256), (129, 2048, 2048), (64, 100, 100), (9, 384, 32),
+                                                      (1, 64, 64), (300, 96, 32)])
+def test_two_rows_at_a_time_give_one_rows_bits(rows, width, group):
+    """The kernel's ``pairs`` path (int8 weights, float32 rows: two weight rows, half a thread's run apart, per
+    pass) gives every output the bits of the one-row path — odd row counts, per-channel rows whose width is no
+    multiple of 32, several x rows, any thread count, any slice of the weight."""
+    gen = torch.Generator().manual_seed(rows * 7 + width)
+    q = torch.randint(-128, 128, (rows, width), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(rows, width // group, generator=gen) * 0.02 + 0.001).bfloat16()
+    x = torch.randn(3, width, generator=gen)
+    op = int_matmul.kernel()
+    one = op(x, q, scale, 8, group)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(op(x, q, scale, 8, group, None, True), one), n
+            assert torch.equal(op(x[1:2], q, scale, 8, group, torch.bfloat16, True), one[1:2].bfloat16()), n
+    finally:
+        torch.set_num_threads(threads)
+    lo = rows // 3
+    assert torch.equal(op(x, q[lo:], scale[lo:], 8, group, None, True), one[:, lo:])
+    exact = x.double() @ (q.double() * scale.double().repeat_interleave(group, dim=1)).T
+    torch.testing.assert_close(one.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_row_path_override_and_its_error(fresh_rows_choice, monkeypatch):
+    from shardwise.errors import ShardwiseError
+
+    for forced in int_matmul.ROW_PATHS:
         monkeypatch.setenv("SHARDWISE_INT_ROWS", forced)
-        int_matmul._widened.clear()
-        assert int_matmul.widens_bfloat16(4) == widened
+        int_matmul._paths.clear()
+        assert int_matmul.row_path(8) == forced and int_matmul.pairs(8) == (forced == "float32_pairs")
+        assert not int_matmul.pairs(4)  # 4-bit weights have no two-row path
     assert not list(fresh_rows_choice.iterdir())  # nothing measured
     monkeypatch.setenv("SHARDWISE_INT_ROWS", "int8")
-    int_matmul._widened.clear()
-    with pytest.raises(ShardwiseError, match="SHARDWISE_INT_ROWS='int8'.*'bfloat16' or 'float32'"):
-        int_matmul.widens_bfloat16(4)
+    int_matmul._paths.clear()
+    with pytest.raises(ShardwiseError, match="SHARDWISE_INT_ROWS='int8'.*bfloat16, float32, float32_pairs"):
+        int_matmul.row_path(4)

@@ -19,7 +19,8 @@ EPYC (Zen 4) VM 23 GB/s of int8 weights (300 MB cycled, two threads) against 12-
 row to float32. On a Xeon with AMX the other way round: from cache, one core, int8 12.7 GB/s with the
 bfloat16 row against 20.0 widened (int4 9.2 against 11.4); a decode step of the 2048x10 llama's int8 checkpoint
 in bfloat16, 8 rounds in shuffled order in one process: 33.1 -> 37.3 tok/s widened (int4: 51.9 both). So which
-path bfloat16 rows take is measured once per machine (``widens_bfloat16``).
+path bfloat16 rows take is measured once per machine (``row_path``), and with it whether float32 rows run int8
+weight rows two at a time (``pairs``: two memory streams per thread; 38.2 -> 41.4 tok/s there).
 
 The kernel reads int8 [out, in] (or uint8 [out, in/2] holding two 4-bit values) and the
 checkpoint's own scales [out, in/group] (bfloat16 or float32) as stored, so the rank holds
@@ -61,9 +62,11 @@ else float32; verify passes of up to 15 rows keep the row-invariant kernel)."""
 BLOCK_ELEMENTS = 1 << 20
 """Weights dequantized per block (4 MB of float32: in cache while the GEMM reads it)."""
 WIDEN_MARGIN = 1.05
-"""bfloat16 rows are widened to float32 only if that streams at least this many times as fast (``widens_bfloat16``)."""
+"""bfloat16 rows are widened to float32 only if that streams at least this many times as fast (``row_path``)."""
+ROW_PATHS = ("bfloat16", "float32", "float32_pairs")
+"""How bfloat16 rows may reach the kernel (``row_path``)."""
 _kernel = None
-_widened: dict[tuple[int, int], bool] = {}
+_paths: dict[tuple[int, int], tuple[str, bool]] = {}
 
 
 def runs_as_gemm(rows: torch.Tensor) -> bool:
@@ -74,41 +77,66 @@ def runs_as_gemm(rows: torch.Tensor) -> bool:
 
 def kernel_rows(rows: torch.Tensor, bits: int) -> torch.Tensor:
     """``rows`` as the kernel reads them for ``bits``-bit weights, contiguous: bfloat16 as they are unless this
-    machine multiplies them faster widened to float32 (``widens_bfloat16``), any other dtype as float32."""
-    return (rows if rows.dtype == torch.bfloat16 and not widens_bfloat16(bits) else rows.float()).contiguous()
+    machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32."""
+    return (rows if rows.dtype == torch.bfloat16 and row_path(bits) == "bfloat16" else rows.float()).contiguous()
 
 
-def widens_bfloat16(bits: int) -> bool:
-    """Whether bfloat16 rows times ``bits``-bit weights go to the kernel widened to float32 (exactly: the
-    products and sums are then the float32 path's) rather than as bfloat16 (the vdpbf16ps path): the faster
-    of the two on this machine at torch's current thread count, measured once (``measure_rows``) and stored
-    beside the kernel's build; widened wherever the CPU has no AVX512-BF16 (the kernel would widen them itself).
-    ``SHARDWISE_INT_ROWS=bfloat16`` or ``=float32`` overrides it. Decided once per process."""
+def row_path(bits: int) -> str:
+    """How bfloat16 rows times ``bits``-bit weights reach the kernel on this machine: ``bfloat16`` (as they are:
+    the vdpbf16ps path), ``float32`` (widened, exactly: the products and sums are then the float32 path's) or
+    ``float32_pairs`` (widened, and int8 weight rows two at a time: ``pairs``) — the fastest of them at torch's
+    current thread count, measured once (``measure_rows``) and stored beside the kernel's build; widened wherever
+    the CPU has no AVX512-BF16 (the kernel would widen them itself). ``SHARDWISE_INT_ROWS`` (one of
+    ``ROW_PATHS``) overrides it. Decided once per process."""
+    return _row_paths(bits)[0]
+
+
+def pairs(bits: int) -> bool:
+    """Whether float32 rows (a float32 model's, or widened bfloat16 ones) times ``bits``-bit weights run two weight
+    rows per pass (the kernel's ``pairs``: int8 only; the same bits as one at a time), as measured faster here."""
+    return _row_paths(bits)[1]
+
+
+def _row_paths(bits: int) -> tuple[str, bool]:
+    """(``row_path``, ``pairs``) for ``bits`` at torch's current thread count, decided once per process."""
     key = (bits, torch.get_num_threads())
-    if key not in _widened:
+    if key not in _paths:
         forced = os.environ.get("SHARDWISE_INT_ROWS", "").strip().lower()
-        if forced not in ("", "bfloat16", "float32"):
-            raise ShardwiseError(f"SHARDWISE_INT_ROWS={forced!r}: set it to 'bfloat16' or 'float32', or unset it to measure")
+        if forced not in ("", *ROW_PATHS):
+            raise ShardwiseError(f"SHARDWISE_INT_ROWS={forced!r}: set it to one of {', '.join(ROW_PATHS)}, or unset it to measure")
+        names = candidates(bits)
         if forced:
-            _widened[key] = forced == "float32"
-        elif not {"avx512_bf16", "avx512vl"} <= cpp_ops.cpu_flags():
-            _widened[key] = True
+            _paths[key] = (forced, forced == "float32_pairs" and bits == 8)
+        elif len(names) == 1:
+            _paths[key] = (names[0], False)
         else:
             path = build_dir() / f"int-rows-choice-{bits}bit-{key[1]}t.json"
-            record = kernel_choice.stored(
-                path, lambda: measure_rows(bits),
-                lambda rates: "float32" if rates["float32"] >= WIDEN_MARGIN * rates["bfloat16"] else "bfloat16",
-                lambda record: record["cpu_share"] >= kernel_choice.CONTENDED_SHARE)
-            _widened[key] = record["choice"] == "float32"
-    return _widened[key]
+            record = kernel_choice.stored(path, lambda: measure_rows(bits, names), decide_rows,
+                                          lambda record: record["cpu_share"] >= kernel_choice.CONTENDED_SHARE)
+            _paths[key] = (record["choice"], record.get("float32_pairs", 0.0) > record["float32"])
+    return _paths[key]
 
 
-def measure_rows(bits: int, nbytes: int = gemv.MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
-    """GB/s of packed weight bytes (and scales) the kernel streams for one bfloat16 row passed as it is
-    (``bfloat16``) and widened to float32 (``float32``, the widening timed with it), best of ``rounds`` over
-    ``nbytes`` of ``bits``-bit weights (per channel for 8 bits, groups of 32 for 4, bfloat16 scales) shaped as
-    a decoder's (``gemv.MEASURE_SHAPES``), in huge pages where the host gives them, the two taking turns weight
-    by weight (``kernel_choice.side_by_side``); and ``cpu_share``."""
+def candidates(bits: int) -> tuple[str, ...]:
+    """The ``ROW_PATHS`` this CPU's build of the kernel has for ``bits``-bit weights."""
+    flags = cpp_ops.cpu_flags()
+    names = ("bfloat16",) if {"avx512_bf16", "avx512vl"} <= flags else ()
+    return names + ("float32",) + (("float32_pairs",) if bits == 8 and {"avx512f", "avx512bw"} <= flags else ())
+
+
+def decide_rows(rates: dict[str, float]) -> str:
+    """The bfloat16-row path among measured ``rates`` (GB/s by ``ROW_PATHS`` name): the faster float32 one if it
+    streams at least ``WIDEN_MARGIN`` times the bfloat16 path's GB/s (or there is none), else ``bfloat16``."""
+    widened = max((name for name in ROW_PATHS[1:] if name in rates), key=lambda name: rates[name])
+    return widened if "bfloat16" not in rates or rates[widened] >= WIDEN_MARGIN * rates["bfloat16"] else "bfloat16"
+
+
+def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
+    """GB/s of packed weight bytes (and scales) the kernel streams for one bfloat16 row along each of ``names``
+    (``ROW_PATHS``; widening timed with the product), best of ``rounds`` over ``nbytes`` of ``bits``-bit weights
+    (per channel for 8 bits, groups of 32 for 4, bfloat16 scales) shaped as a decoder's (``gemv.MEASURE_SHAPES``),
+    in huge pages where the host gives them, the paths taking turns weight by weight
+    (``kernel_choice.side_by_side``); and ``cpu_share``."""
     shape_bytes = [(n, k, n * k * bits // 8, n * (1 if bits == 8 else k // 32) * 2) for n, k in gemv.MEASURE_SHAPES]
     copies = -(-nbytes // sum(q + s for _, _, q, s in shape_bytes))
     total = copies * sum(q + s for _, _, q, s in shape_bytes)
@@ -127,10 +155,10 @@ def measure_rows(bits: int, nbytes: int = gemv.MEASURE_BYTES, rounds: int = 4) -
     def run(name: str, i: int) -> int:
         q, scale, group, moved = weights[i]
         x = xs[q.shape[1] * 8 // bits]
-        op(x if name == "bfloat16" else x.float(), q, scale, bits, group, torch.bfloat16)
+        op(x if name == "bfloat16" else x.float(), q, scale, bits, group, torch.bfloat16, name == "float32_pairs")
         return moved
 
-    return kernel_choice.side_by_side(("bfloat16", "float32"), run, len(weights), rounds)
+    return kernel_choice.side_by_side(names, run, len(weights), rounds)
 
 
 def kernel():
@@ -207,9 +235,10 @@ class IntWeight(nn.Module):
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
         rows = kernel_rows(rows, self.bits)
+        two = rows.dtype == torch.float32 and pairs(self.bits)
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
-            return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype).view(*x.shape[:-1], self.q.shape[0])
-        y = kernel()(rows, self.q, self.scale, self.bits, self.group)
+            return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, two).view(*x.shape[:-1], self.q.shape[0])
+        y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, two)
         return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
 
     def _dequantized_blocks(self, rows: torch.Tensor) -> torch.Tensor | None:

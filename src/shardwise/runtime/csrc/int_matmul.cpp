@@ -66,43 +66,7 @@ inline float scale_at(const void* s, ScaleKind sk, int64_t i) {
 }
 
 #if defined(SHARDWISE_AVX512)
-// 16-lane vectors. Within a group, independent partial sums over its 32-element chunks; a group's sum
-// times its scale goes into one of two sets of row accumulators, alternating by group.
-inline __m512 f8(const int8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))); }
-
-float dot8(const int8_t* q, const float* x, int64_t K, int64_t group, const void* s, ScaleKind sk, int64_t s0) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  float rest = 0;
-  for (int64_t g0 = 0, gi = s0; g0 < K; g0 += group, ++gi) {
-    __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
-    int64_t k = g0;
-    for (; k + 64 <= g0 + group; k += 64) {
-      prefetch_ahead(q + k);
-      t0 = _mm512_fmadd_ps(f8(q + k), _mm512_loadu_ps(x + k), t0);
-      t1 = _mm512_fmadd_ps(f8(q + k + 16), _mm512_loadu_ps(x + k + 16), t1);
-      t2 = _mm512_fmadd_ps(f8(q + k + 32), _mm512_loadu_ps(x + k + 32), t2);
-      t3 = _mm512_fmadd_ps(f8(q + k + 48), _mm512_loadu_ps(x + k + 48), t3);
-    }
-    if (k + 32 <= g0 + group) {  // a last 32-element chunk
-      t0 = _mm512_fmadd_ps(f8(q + k), _mm512_loadu_ps(x + k), t0);
-      t1 = _mm512_fmadd_ps(f8(q + k + 16), _mm512_loadu_ps(x + k + 16), t1);
-      k += 32;
-    }
-    float tail = 0;  // per-channel rows whose width is not a multiple of 32 (a tensor-parallel slice)
-    for (; k < g0 + group; ++k) tail += float(q[k]) * x[k];
-    const float scale = scale_at(s, sk, gi);
-    rest += scale * tail;
-    __m512 sc = _mm512_set1_ps(scale);
-    if ((gi - s0) & 1) {
-      a2 = _mm512_fmadd_ps(sc, _mm512_add_ps(t0, t2), a2);
-      a3 = _mm512_fmadd_ps(sc, _mm512_add_ps(t1, t3), a3);
-    } else {
-      a0 = _mm512_fmadd_ps(sc, _mm512_add_ps(t0, t2), a0);
-      a1 = _mm512_fmadd_ps(sc, _mm512_add_ps(t1, t3), a1);
-    }
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a2), _mm512_add_ps(a1, a3))) + rest;
-}
+#include "int_matmul_dot8.h"
 
 // 16 packed bytes (32 nibbles) widened to one byte per 32-bit lane.
 inline __m512i bytes16(const uint8_t* q) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))); }
@@ -340,6 +304,29 @@ void each_output_as(T* yp, int64_t M, int64_t N, int64_t chunk, const Dot& dot) 
       for (int64_t m = 0; m < M; ++m) yp[m * N + r] = T(dot(r, m));
   });
 }
+// The same outputs with `dot2(a, b, m, out)` summing rows a and b together: each thread's run of rows split in two
+// halves whose rows pair up (two memory streams), a lone last row by `dot`.
+template <class T, class Dot, class Dot2>
+void each_output_pairs_as(T* yp, int64_t M, int64_t N, int64_t chunk, const Dot& dot, const Dot2& dot2) {
+  shardwise::dynamic_for(N, chunk, [&](int64_t r0, int64_t r1) {
+    const int64_t half = (r1 - r0) / 2;
+    for (int64_t i = 0; i < half; ++i)
+      for (int64_t m = 0; m < M; ++m) {
+        float out[2];
+        dot2(r0 + i, r0 + half + i, m, out);
+        yp[m * N + r0 + i] = T(out[0]);
+        yp[m * N + r0 + half + i] = T(out[1]);
+      }
+    if ((r1 - r0) & 1)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + r1 - 1] = T(dot(r1 - 1, m));
+  });
+}
+template <class Dot, class Dot2>
+void each_output_pairs(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, const Dot& dot, const Dot2& dot2) {
+  const int64_t chunk = shardwise::run_rows(row_bytes, 32);
+  if (y.scalar_type() == at::kBFloat16) return each_output_pairs_as(y.data_ptr<at::BFloat16>(), M, N, chunk, dot, dot2);
+  each_output_pairs_as(y.data_ptr<float>(), M, N, chunk, dot, dot2);
+}
 template <class Dot>
 void each_output(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, const Dot& dot) {  // row: packed + scales
   if (y.scalar_type() == at::kBFloat16) return each_output_as(y.data_ptr<at::BFloat16>(), M, N, shardwise::run_rows(row_bytes, 32), dot);
@@ -347,7 +334,7 @@ void each_output(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, c
 }
 
 at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group,
-                      std::optional<at::ScalarType> out_dtype) {
+                      std::optional<at::ScalarType> out_dtype, bool pairs) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scale.dim() == 2 && scale.is_contiguous(), "q and scale must be contiguous 2-D");
@@ -407,15 +394,28 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       }
     xs = perm.data();
   }
-  each_output(y, M, N, row_bytes, [&](int64_t r, int64_t m) {
+  const auto dot = [&](int64_t r, int64_t m) {
     return bits == 8 ? dot8(q.data_ptr<int8_t>() + r * K, xs + m * K, K, group, sp, sk, r * G)
                      : dot4(q.data_ptr<uint8_t>() + r * (K / 2), xs + m * K, K, group, sp, sk, r * G);
-  });
+  };
+#if defined(SHARDWISE_AVX512)
+  if (pairs && bits == 8) {  // float32 rows times int8 weights, two weight rows per pass (dot8_rows)
+    const int8_t* qp = q.data_ptr<int8_t>();
+    each_output_pairs(y, M, N, row_bytes, dot, [&](int64_t a, int64_t b, int64_t m, float* out) {
+      const int8_t* rows[2] = {qp + a * K, qp + b * K};
+      const int64_t s0[2] = {a * G, b * G};
+      dot8_rows<2>(rows, xs + m * K, K, group, sp, sk, s0, out);
+    });
+    return y;
+  }
+#endif
+  each_output(y, M, N, row_bytes, dot);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(shardwise_int, m) {
-  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None) -> Tensor", &int_matmul);
+  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None, bool pairs=False) -> Tensor",
+        &int_matmul);
 }
