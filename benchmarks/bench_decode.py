@@ -337,8 +337,8 @@ def main() -> None:
         """How the int kernel takes this run's rows here (this machine's measured choice)."""
         bits = 8 if fmt == "int8" else 4
         path = int_matmul.row_path(bits) if args.dtype == "bfloat16" else "float32_pairs" if int_matmul.pairs(bits) else "float32"
-        return {"bfloat16": " (as they are (vdpbf16ps) in the kernel", "float32": " (as float32 in the kernel",
-                "float32_pairs": " (as float32, two weight rows at a time, in the kernel"}[path] + ": this machine's measured choice)"
+        how = "as they are (vdpbf16ps)" if path.startswith("bfloat16") else "as float32"
+        return f" ({how}{', two weight rows at a time,' if path.endswith('_pairs') else ''} in the kernel: this machine's measured choice)"
 
     print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped "
           f"(one-row products: {products}, this machine's measured choice)")

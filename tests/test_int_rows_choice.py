@@ -1,5 +1,5 @@
 """How rows reach the int8 / int4 kernel (``int_matmul.row_path`` / ``int_matmul.pairs``): bfloat16 rows as they
-are (vdpbf16ps) or widened to float32, and float32 rows times int8 weights one or two weight rows at a time —
+are (vdpbf16ps) or widened to float32, one or two weight rows at a time (two: the kernel's ``pairs``) —
 whichever this machine measured faster: measured once, stored, followed, overridable; every path giving the same
 product to float32 rounding, and the two-row path the one-row path's bits."""
 
@@ -52,9 +52,10 @@ def test_row_path_is_measured_once_and_followed(fresh_rows_choice, bits):
         int_matmul._paths.clear()
         assert int_matmul.row_path(bits) == choice and int_matmul.pairs(bits) == (choice == "float32_pairs")
         rows = int_matmul.kernel_rows(x, bits)
-        assert rows.dtype == (torch.bfloat16 if choice == "bfloat16" else torch.float32)
+        assert rows.dtype == (torch.bfloat16 if choice.startswith("bfloat16") else torch.float32)
         y = weight(x)
-        assert torch.equal(y, int_matmul.kernel()(rows, weight.q, weight.scale, bits, weight.group, torch.bfloat16))
+        two = choice.endswith("_pairs")
+        assert torch.equal(y, int_matmul.kernel()(rows, weight.q, weight.scale, bits, weight.group, torch.bfloat16, two))
         torch.testing.assert_close(y.double(), exact, rtol=2**-7, atol=1e-5)
 
 
@@ -64,11 +65,14 @@ def test_decide_rows_widens_only_past_the_margin():
     assert int_matmul.decide_rows({"bfloat16": 10.0, "float32": 10.0 * margin}) == "float32"
     assert int_matmul.decide_rows({"bfloat16": 10.0, "float32": 10.0, "float32_pairs": 12.0}) == "float32_pairs"
     assert int_matmul.decide_rows({"float32": 10.0, "float32_pairs": 9.0}) == "float32"
+    rates = {"bfloat16": 10.0, "bfloat16_pairs": 11.0, "float32": 11.0, "float32_pairs": 11.5}
+    assert int_matmul.decide_rows(rates) == "bfloat16_pairs"  # 11.5 < 1.05 x 11
+    assert int_matmul.decide_rows(rates | {"float32_pairs": 11.6}) == "float32_pairs"
 
 
 @pytest.mark.parametrize(("rows", "width", "group"), [(37, 256, 256), (129, 2048, 2048), (64, 100, 100), (9, 384, 32),
                                                       (1, 64, 64), (300, 96, 32)])
-def test_two_rows_at_a_time_give_one_rows_bits(rows, width, group):
+def test_two_int8_rows_at_a_time_give_one_rows_bits(rows, width, group):
     """The kernel's ``pairs`` path (int8 weights, float32 rows: two weight rows, half a thread's run apart, per
     pass) gives every output the bits of the one-row path — odd row counts, per-channel rows whose width is no
     multiple of 32, several x rows, any thread count, any slice of the weight."""
@@ -92,6 +96,31 @@ def test_two_rows_at_a_time_give_one_rows_bits(rows, width, group):
     torch.testing.assert_close(one.double(), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("row_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "width", "group"), [(37, 256, 32), (130, 2048, 32), (9, 384, 64), (65, 512, 256),
+                                                      (1, 128, 128), (20, 96, 32)])
+def test_two_4_bit_rows_at_a_time_give_one_rows_bits(rows, width, group, row_dtype):
+    """4-bit weights (the 64-byte-line paths: bfloat16 rows through vdpbf16ps, float32 ones through the value
+    table; widths of no whole line take the 32-weight path, which has no pairs) the same: every output the
+    one-row bits, whatever else shares the call."""
+    gen = torch.Generator().manual_seed(rows * 11 + width + group)
+    q = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16()
+    x = torch.randn(3, width, generator=gen).to(row_dtype)
+    op = int_matmul.kernel()
+    one = op(x, q, scale, 4, group)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(op(x, q, scale, 4, group, None, True), one), n
+            assert torch.equal(op(x[2:], q, scale, 4, group, torch.bfloat16, True), one[2:].bfloat16()), n
+    finally:
+        torch.set_num_threads(threads)
+    lo = rows // 3
+    assert torch.equal(op(x, q[lo:], scale[lo:], 4, group, None, True), one[:, lo:])
+
+
 def test_row_path_override_and_its_error(fresh_rows_choice, monkeypatch):
     from shardwise.errors import ShardwiseError
 
@@ -99,9 +128,8 @@ def test_row_path_override_and_its_error(fresh_rows_choice, monkeypatch):
         monkeypatch.setenv("SHARDWISE_INT_ROWS", forced)
         int_matmul._paths.clear()
         assert int_matmul.row_path(8) == forced and int_matmul.pairs(8) == (forced == "float32_pairs")
-        assert not int_matmul.pairs(4)  # 4-bit weights have no two-row path
     assert not list(fresh_rows_choice.iterdir())  # nothing measured
     monkeypatch.setenv("SHARDWISE_INT_ROWS", "int8")
     int_matmul._paths.clear()
-    with pytest.raises(ShardwiseError, match="SHARDWISE_INT_ROWS='int8'.*bfloat16, float32, float32_pairs"):
+    with pytest.raises(ShardwiseError, match="SHARDWISE_INT_ROWS='int8'.*bfloat16, bfloat16_pairs, float32, float32_pairs"):
         int_matmul.row_path(4)

@@ -57,5 +57,8 @@ def test_stored_measures_once_and_keeps_only_what_keep_allows(tmp_path):
     assert kernel_choice.stored(path, measure, decide, keep=lambda record: True) == record and measured == [1, 1]
     path.write_text(json.dumps({"a": 1.0, "b": 3.0, "choice": "b"}))  # no cpu_share: an older record, measured again
     assert kernel_choice.stored(path, measure, decide, keep=lambda record: True)["choice"] == "a" and measured == [1, 1, 1]
+    path.write_text(json.dumps({"b": 3.0, "cpu_share": 1.0, "choice": "b"}))  # a candidate it lacks: measured again
+    assert kernel_choice.stored(path, measure, decide, lambda record: True, names=("a", "b"))["choice"] == "a"
+    assert kernel_choice.stored(path, measure, decide, lambda record: True, names=("a", "b")) == json.loads(path.read_text())
     path.write_text("{not json")  # a torn file is measured again, not an error
     assert kernel_choice.stored(path, measure, decide, keep=lambda record: True)["choice"] == "a"

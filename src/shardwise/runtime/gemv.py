@@ -166,8 +166,10 @@ def _stored_choice(dtype: torch.dtype, threads: int) -> dict:
     and every later process follows a stored choice: one stored during a test run here (kernel 9.1, torch.mv
     14.3 GB/s) halved float32 decode (17.2 -> 7.9 tok/s in benchmarks/bench_decode.py)."""
     path = cpp_ops.build_dir(ROWS_SOURCE) / f"gemv-choice-{str(dtype).removeprefix('torch.')}-{threads}t.json"
-    return kernel_choice.stored(path, lambda: measure(dtype, _candidates(dtype)), decide,
-                                lambda record: record["choice"] != "torch_mv" or record["cpu_share"] >= CONTENDED_SHARE)
+    kernels = _candidates(dtype)
+    return kernel_choice.stored(path, lambda: measure(dtype, kernels), decide,
+                                lambda record: record["choice"] != "torch_mv" or record["cpu_share"] >= CONTENDED_SHARE,
+                                ("torch_mv", *kernels))
 
 
 def experts_kernel(dtype: torch.dtype):

@@ -20,7 +20,8 @@ row to float32. On a Xeon with AMX the other way round: from cache, one core, in
 bfloat16 row against 20.0 widened (int4 9.2 against 11.4); a decode step of the 2048x10 llama's int8 checkpoint
 in bfloat16, 8 rounds in shuffled order in one process: 33.1 -> 37.3 tok/s widened (int4: 51.9 both). So which
 path bfloat16 rows take is measured once per machine (``row_path``), and with it whether float32 rows run int8
-weight rows two at a time (``pairs``: two memory streams per thread; 38.2 -> 41.4 tok/s there).
+weight rows two at a time (``pairs``: two memory streams per thread; 38.2 -> 41.4 tok/s there; int4 with
+bfloat16 rows 51.1 -> 56.1).
 
 The kernel reads int8 [out, in] (or uint8 [out, in/2] holding two 4-bit values) and the
 checkpoint's own scales [out, in/group] (bfloat16 or float32) as stored, so the rank holds
@@ -63,7 +64,7 @@ BLOCK_ELEMENTS = 1 << 20
 """Weights dequantized per block (4 MB of float32: in cache while the GEMM reads it)."""
 WIDEN_MARGIN = 1.05
 """bfloat16 rows are widened to float32 only if that streams at least this many times as fast (``row_path``)."""
-ROW_PATHS = ("bfloat16", "float32", "float32_pairs")
+ROW_PATHS = ("bfloat16", "bfloat16_pairs", "float32", "float32_pairs")
 """How bfloat16 rows may reach the kernel (``row_path``)."""
 _kernel = None
 _paths: dict[tuple[int, int], tuple[str, bool]] = {}
@@ -78,22 +79,22 @@ def runs_as_gemm(rows: torch.Tensor) -> bool:
 def kernel_rows(rows: torch.Tensor, bits: int) -> torch.Tensor:
     """``rows`` as the kernel reads them for ``bits``-bit weights, contiguous: bfloat16 as they are unless this
     machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32."""
-    return (rows if rows.dtype == torch.bfloat16 and row_path(bits) == "bfloat16" else rows.float()).contiguous()
+    return (rows if rows.dtype == torch.bfloat16 and row_path(bits).startswith("bfloat16") else rows.float()).contiguous()
 
 
 def row_path(bits: int) -> str:
     """How bfloat16 rows times ``bits``-bit weights reach the kernel on this machine: ``bfloat16`` (as they are:
-    the vdpbf16ps path), ``float32`` (widened, exactly: the products and sums are then the float32 path's) or
-    ``float32_pairs`` (widened, and int8 weight rows two at a time: ``pairs``) — the fastest of them at torch's
-    current thread count, measured once (``measure_rows``) and stored beside the kernel's build; widened wherever
-    the CPU has no AVX512-BF16 (the kernel would widen them itself). ``SHARDWISE_INT_ROWS`` (one of
+    the vdpbf16ps path) or ``float32`` (widened, exactly: the products and sums are then the float32 path's), each
+    one weight row at a time or two (``_pairs``: the kernel's ``pairs``, the same bits) — the fastest of them at
+    torch's current thread count, measured once (``measure_rows``) and stored beside the kernel's build; widened
+    wherever the CPU has no AVX512-BF16 (the kernel would widen them itself). ``SHARDWISE_INT_ROWS`` (one of
     ``ROW_PATHS``) overrides it. Decided once per process."""
     return _row_paths(bits)[0]
 
 
 def pairs(bits: int) -> bool:
     """Whether float32 rows (a float32 model's, or widened bfloat16 ones) times ``bits``-bit weights run two weight
-    rows per pass (the kernel's ``pairs``: int8 only; the same bits as one at a time), as measured faster here."""
+    rows per pass (the kernel's ``pairs``; the same bits as one at a time), as measured faster here."""
     return _row_paths(bits)[1]
 
 
@@ -106,29 +107,35 @@ def _row_paths(bits: int) -> tuple[str, bool]:
             raise ShardwiseError(f"SHARDWISE_INT_ROWS={forced!r}: set it to one of {', '.join(ROW_PATHS)}, or unset it to measure")
         names = candidates(bits)
         if forced:
-            _paths[key] = (forced, forced == "float32_pairs" and bits == 8)
+            _paths[key] = (forced, forced == "float32_pairs")
         elif len(names) == 1:
             _paths[key] = (names[0], False)
         else:
             path = build_dir() / f"int-rows-choice-{bits}bit-{key[1]}t.json"
             record = kernel_choice.stored(path, lambda: measure_rows(bits, names), decide_rows,
-                                          lambda record: record["cpu_share"] >= kernel_choice.CONTENDED_SHARE)
+                                          lambda record: record["cpu_share"] >= kernel_choice.CONTENDED_SHARE, names)
             _paths[key] = (record["choice"], record.get("float32_pairs", 0.0) > record["float32"])
     return _paths[key]
 
 
 def candidates(bits: int) -> tuple[str, ...]:
-    """The ``ROW_PATHS`` this CPU's build of the kernel has for ``bits``-bit weights."""
+    """The ``ROW_PATHS`` this CPU's build of the kernel has for ``bits``-bit weights (two rows at a time: int8 rows
+    on AVX-512, 4-bit ones where AVX-512VL gives the 64-byte-line paths; int8 with bfloat16 rows has none)."""
     flags = cpp_ops.cpu_flags()
-    names = ("bfloat16",) if {"avx512_bf16", "avx512vl"} <= flags else ()
-    return names + ("float32",) + (("float32_pairs",) if bits == 8 and {"avx512f", "avx512bw"} <= flags else ())
+    lines = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    names = ("bfloat16",) + (("bfloat16_pairs",) if bits == 4 else ()) if {"avx512_bf16", "avx512vl"} <= flags else ()
+    two = {"avx512f", "avx512bw"} <= flags if bits == 8 else lines
+    return names + ("float32",) + (("float32_pairs",) if two else ())
 
 
 def decide_rows(rates: dict[str, float]) -> str:
     """The bfloat16-row path among measured ``rates`` (GB/s by ``ROW_PATHS`` name): the faster float32 one if it
-    streams at least ``WIDEN_MARGIN`` times the bfloat16 path's GB/s (or there is none), else ``bfloat16``."""
-    widened = max((name for name in ROW_PATHS[1:] if name in rates), key=lambda name: rates[name])
-    return widened if "bfloat16" not in rates or rates[widened] >= WIDEN_MARGIN * rates["bfloat16"] else "bfloat16"
+    streams at least ``WIDEN_MARGIN`` times the faster bfloat16 one's GB/s (or there is none), else that one."""
+    def fastest(prefix: str) -> str | None:
+        return max((n for n in ROW_PATHS if n.startswith(prefix) and n in rates), key=lambda n: rates[n], default=None)
+
+    widened, kept = fastest("float32"), fastest("bfloat16")
+    return widened if kept is None or rates[widened] >= WIDEN_MARGIN * rates[kept] else kept
 
 
 def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
@@ -155,7 +162,7 @@ def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_B
     def run(name: str, i: int) -> int:
         q, scale, group, moved = weights[i]
         x = xs[q.shape[1] * 8 // bits]
-        op(x if name == "bfloat16" else x.float(), q, scale, bits, group, torch.bfloat16, name == "float32_pairs")
+        op(x if name.startswith("bfloat16") else x.float(), q, scale, bits, group, torch.bfloat16, name.endswith("_pairs"))
         return moved
 
     return kernel_choice.side_by_side(names, run, len(weights), rounds)
@@ -235,7 +242,7 @@ class IntWeight(nn.Module):
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
         rows = kernel_rows(rows, self.bits)
-        two = rows.dtype == torch.float32 and pairs(self.bits)
+        two = pairs(self.bits) if rows.dtype == torch.float32 else row_path(self.bits) == "bfloat16_pairs"
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
             return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, two).view(*x.shape[:-1], self.q.shape[0])
         y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, two)

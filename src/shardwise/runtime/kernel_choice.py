@@ -51,17 +51,18 @@ def side_by_side(names: Sequence[str], run: Callable[[str, int], int], count: in
 
 
 def stored(path: Path, measure: Callable[[], dict[str, float]], decide: Callable[[dict[str, float]], str],
-           keep: Callable[[dict], bool]) -> dict:
+           keep: Callable[[dict], bool], names: Sequence[str] = ()) -> dict:
     """The record at ``path`` (JSON: the measured figures and ``choice``), or a new one: ``measure()``'s figures
     and ``decide(figures)``, written to ``path`` if ``keep(record)``; under a file lock, so processes starting
     together (the ranks of one launch) measure once. Records without ``cpu_share`` (written before it was
-    measured) are measured again."""
+    measured) or without a figure for each of ``names`` (the candidates now: a newer runtime may have more) are
+    measured again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".flock"), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
             record = json.loads(path.read_text())
-            if "cpu_share" in record and "choice" in record:
+            if all(key in record for key in ("cpu_share", "choice", *names)):
                 return record
         except (OSError, ValueError):
             pass
