@@ -70,6 +70,22 @@ def test_decide_rows_widens_only_past_the_margin():
     assert int_matmul.decide_rows(rates | {"float32_pairs": 11.6}) == "float32_pairs"
 
 
+def _assert_pairs_match(x, q, scale, bits, group, one):
+    """The ``pairs`` path equals ``one`` (the one-row path's output for ``x``) bit for bit, on 1 and 2 threads, for all
+    of ``x``'s rows and for its last row alone (bfloat16 out), and for a slice of the weight's rows."""
+    op = int_matmul.kernel()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(op(x, q, scale, bits, group, None, True), one), n
+            assert torch.equal(op(x[-1:], q, scale, bits, group, torch.bfloat16, True), one[-1:].bfloat16()), n
+    finally:
+        torch.set_num_threads(threads)
+    lo = q.shape[0] // 3
+    assert torch.equal(op(x, q[lo:], scale[lo:], bits, group, None, True), one[:, lo:])
+
+
 @pytest.mark.parametrize(("rows", "width", "group"), [(37, 256, 256), (129, 2048, 2048), (64, 100, 100), (9, 384, 32),
                                                       (1, 64, 64), (300, 96, 32)])
 def test_two_int8_rows_at_a_time_give_one_rows_bits(rows, width, group):
@@ -80,18 +96,8 @@ def test_two_int8_rows_at_a_time_give_one_rows_bits(rows, width, group):
     q = torch.randint(-128, 128, (rows, width), dtype=torch.int8, generator=gen)
     scale = (torch.rand(rows, width // group, generator=gen) * 0.02 + 0.001).bfloat16()
     x = torch.randn(3, width, generator=gen)
-    op = int_matmul.kernel()
-    one = op(x, q, scale, 8, group)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            assert torch.equal(op(x, q, scale, 8, group, None, True), one), n
-            assert torch.equal(op(x[1:2], q, scale, 8, group, torch.bfloat16, True), one[1:2].bfloat16()), n
-    finally:
-        torch.set_num_threads(threads)
-    lo = rows // 3
-    assert torch.equal(op(x, q[lo:], scale[lo:], 8, group, None, True), one[:, lo:])
+    one = int_matmul.kernel()(x, q, scale, 8, group)
+    _assert_pairs_match(x, q, scale, 8, group, one)
     exact = x.double() @ (q.double() * scale.double().repeat_interleave(group, dim=1)).T
     torch.testing.assert_close(one.double(), exact, rtol=1e-5, atol=1e-5)
 
@@ -107,18 +113,7 @@ def test_two_4_bit_rows_at_a_time_give_one_rows_bits(rows, width, group, row_dty
     q = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
     scale = (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16()
     x = torch.randn(3, width, generator=gen).to(row_dtype)
-    op = int_matmul.kernel()
-    one = op(x, q, scale, 4, group)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            assert torch.equal(op(x, q, scale, 4, group, None, True), one), n
-            assert torch.equal(op(x[2:], q, scale, 4, group, torch.bfloat16, True), one[2:].bfloat16()), n
-    finally:
-        torch.set_num_threads(threads)
-    lo = rows // 3
-    assert torch.equal(op(x, q[lo:], scale[lo:], 4, group, None, True), one[:, lo:])
+    _assert_pairs_match(x, q, scale, 4, group, int_matmul.kernel()(x, q, scale, 4, group))
 
 
 def test_row_path_override_and_its_error(fresh_rows_choice, monkeypatch):
