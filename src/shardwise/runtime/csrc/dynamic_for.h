@@ -38,4 +38,13 @@ void dynamic_for(int64_t n, int64_t chunk, const F& f) {
   });
 }
 
+// A thread's run [r0, r1) of weight rows taken two at a time, half a run apart (f2(a, a + half): two memory streams
+// per thread, which a Xeon VM streams faster than one), then f1(r) for a lone last row.
+template <class F2, class F1>
+void run_in_pairs(int64_t r0, int64_t r1, const F2& f2, const F1& f1) {
+  const int64_t half = (r1 - r0) / 2;
+  for (int64_t i = 0; i < half; ++i) f2(r0 + i, r0 + half + i);
+  if ((r1 - r0) & 1) f1(r1 - 1);
+}
+
 }  // namespace shardwise

@@ -151,9 +151,12 @@ at::Tensor rows_times(const at::Tensor& x, const at::Tensor& w) {
   if (M == 1) {
     const int64_t chunk = OneRow * std::max(kOneRowChunk, shardwise::run_rows(K * int64_t(sizeof(T)) * OneRow, 1));
     shardwise::dynamic_for(N, chunk, [&](int64_t r0, int64_t r1) {
-      const int64_t half = OneRow == 2 ? (r1 - r0) / 2 : 0;
-      for (int64_t i = 0; i < half; ++i) tile<E, 1, 2>(xp, wp, yp, K, N, 0, r0 + i, 2, half);
-      for (int64_t r = r0 + 2 * half; r < r1; ++r) tile<E, 1, 1>(xp, wp, yp, K, N, 0, r, 1);
+      const auto one = [&](int64_t r) { tile<E, 1, 1>(xp, wp, yp, K, N, 0, r, 1); };
+      if (OneRow == 1) {
+        for (int64_t r = r0; r < r1; ++r) one(r);
+      } else {
+        shardwise::run_in_pairs(r0, r1, [&](int64_t a, int64_t b) { tile<E, 1, 2>(xp, wp, yp, K, N, 0, a, 2, b - a); }, one);
+      }
     });
     return y;
   }
