@@ -51,10 +51,10 @@ def test_row_path_is_measured_once_and_followed(fresh_rows_choice, bits):
         path.write_text(json.dumps(rates | ({"float32_pairs": 2.0} if choice == "float32_pairs" else {})))
         int_matmul._paths.clear()
         assert int_matmul.row_path(bits) == choice and int_matmul.pairs(bits) == (choice == "float32_pairs")
-        rows = int_matmul.kernel_rows(x, bits)
+        rows, two = int_matmul.kernel_rows(x, bits)
         assert rows.dtype == (torch.bfloat16 if choice.startswith("bfloat16") else torch.float32)
+        assert two == choice.endswith("_pairs")
         y = weight(x)
-        two = choice.endswith("_pairs")
         assert torch.equal(y, int_matmul.kernel()(rows, weight.q, weight.scale, bits, weight.group, torch.bfloat16, two))
         torch.testing.assert_close(y.double(), exact, rtol=2**-7, atol=1e-5)
 
@@ -103,15 +103,18 @@ def test_two_int8_rows_at_a_time_give_one_rows_bits(rows, width, group):
 
 
 @pytest.mark.parametrize("row_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("rows", "width", "group"), [(37, 256, 32), (130, 2048, 32), (9, 384, 64), (65, 512, 256),
-                                                      (1, 128, 128), (20, 96, 32)])
-def test_two_4_bit_rows_at_a_time_give_one_rows_bits(rows, width, group, row_dtype):
+@pytest.mark.parametrize(("rows", "width", "group", "mxfp4"), [(37, 256, 32, False), (130, 2048, 32, False),
+                                                               (9, 384, 64, False), (65, 512, 256, False),
+                                                               (1, 128, 128, False), (20, 96, 32, False),
+                                                               (37, 256, 32, True), (20, 96, 32, True)])
+def test_two_4_bit_rows_at_a_time_give_one_rows_bits(rows, width, group, mxfp4, row_dtype):
     """4-bit weights (the 64-byte-line paths: bfloat16 rows through vdpbf16ps, float32 ones through the value
-    table; widths of no whole line take the 32-weight path, which has no pairs) the same: every output the
-    one-row bits, whatever else shares the call."""
+    table; widths of no whole line take the 32-weight path, which has no pairs) the same, int4 and MXFP4 (E8M0
+    scales, E2M1 values): every output the one-row bits, whatever else shares the call."""
     gen = torch.Generator().manual_seed(rows * 11 + width + group)
     q = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
-    scale = (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16()
+    scale = (torch.randint(118, 130, (rows, width // group), dtype=torch.uint8, generator=gen) if mxfp4
+             else (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16())
     x = torch.randn(3, width, generator=gen).to(row_dtype)
     _assert_pairs_match(x, q, scale, 4, group, int_matmul.kernel()(x, q, scale, 4, group))
 

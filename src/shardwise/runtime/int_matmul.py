@@ -76,10 +76,13 @@ def runs_as_gemm(rows: torch.Tensor) -> bool:
     return rows.shape[0] >= GEMM_ROWS and gemv.applies(rows)
 
 
-def kernel_rows(rows: torch.Tensor, bits: int) -> torch.Tensor:
-    """``rows`` as the kernel reads them for ``bits``-bit weights, contiguous: bfloat16 as they are unless this
-    machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32."""
-    return (rows if rows.dtype == torch.bfloat16 and row_path(bits).startswith("bfloat16") else rows.float()).contiguous()
+def kernel_rows(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, bool]:
+    """(``rows`` as the kernel reads them for ``bits``-bit weights, contiguous: bfloat16 as they are unless this
+    machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32; the kernel's
+    ``pairs`` argument for them: two weight rows at a time where this machine measured that faster)."""
+    if rows.dtype == torch.bfloat16 and row_path(bits).startswith("bfloat16"):
+        return rows.contiguous(), row_path(bits) == "bfloat16_pairs"
+    return rows.float().contiguous(), pairs(bits)
 
 
 def row_path(bits: int) -> str:
@@ -241,8 +244,7 @@ class IntWeight(nn.Module):
             y = self._dequantized_blocks(rows)
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
-        rows = kernel_rows(rows, self.bits)
-        two = pairs(self.bits) if rows.dtype == torch.float32 else row_path(self.bits) == "bfloat16_pairs"
+        rows, two = kernel_rows(rows, self.bits)
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
             return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, two).view(*x.shape[:-1], self.q.shape[0])
         y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, two)

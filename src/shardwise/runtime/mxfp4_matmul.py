@@ -91,7 +91,8 @@ def mxfp4_matmul(
     op = _packed_kernel(rows, blocks)
     if op is None:
         return F.linear(x, decode(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
-    y = op(kernel_rows(rows, 4), blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype)
+    rows, two = kernel_rows(rows, 4)
+    y = op(rows, blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype, two)
     y = y.view(*x.shape[:-1], blocks.shape[0])
     return y if bias is None else y + bias.to(x.dtype)
 
