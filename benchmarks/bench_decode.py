@@ -41,7 +41,9 @@ All figures come from this one run on this machine, so the ratios are what to re
 5. **shardwise int8 / int4** (``quantize --format int8`` per channel, ``int4`` groups of 32, with
    ``--lm-head``: the LM head quantized too, as llama.cpp's files hold theirs — Q8_0's in Q8_0, Q4_0's
    in Q6_K; the embedding stays float, one row read per token) at tp=1, activations in ``--dtype``:
-   decode tok/s, bytes per token and share of their own roofline, next to llama.cpp's Q8_0 / Q4_0.
+   decode tok/s, bytes per token and share of their own roofline, next to llama.cpp's Q8_0 / Q4_0; and
+   ``int4-q8``: int4 with ``SHARDWISE_INT_ACTIVATIONS=int8`` (rows rounded to int8 per 32-block in the kernel,
+   llama.cpp's own Q4_0 arithmetic: Q4_0's ratio is taken against it), where the CPU has AVX-512 VNNI.
 6. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each; all-reduce through shared
    memory, ``shm``, in every round right after tp=1 and held against that round's tp=1, and gloo's
    ``builtin`` once) and a traced tp=2 run
@@ -65,6 +67,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.runtime.cpp_ops import cpu_flags
 from llama_cpp_peer import SHORT_BECAUSE, gguf_token_bytes, llama_cpp_files, llama_cpp_rate, repacks_safely
 
 CONFIG = {
@@ -219,7 +222,14 @@ def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dt
 def shardwise_int(folder: Path, fmt: str, prompt: list[int], tokens: int, threads: int, dtype: str,
                   probe: ReadProbe) -> tuple[tuple[float, float], int]:
     """((decode tok/s, its moment's read GB/s), weight bytes one token reads) of the checkpoint quantized to
-    ``fmt``, LM head included (written once beside the float one), run at tp=1 with ``dtype`` activations."""
+    ``fmt`` (``int4-q8``: int4 run with ``SHARDWISE_INT_ACTIVATIONS=int8``), LM head included (written once beside
+    the float one), run at tp=1 with ``dtype`` activations."""
+    if fmt == "int4-q8":
+        os.environ["SHARDWISE_INT_ACTIVATIONS"] = "int8"
+        try:
+            return shardwise_int(folder, "int4", prompt, tokens, threads, dtype, probe)
+        finally:
+            del os.environ["SHARDWISE_INT_ACTIVATIONS"]
     from shardwise.plan import ParallelPlan
     from shardwise.runtime.generate import generate
     from shardwise.runtime.loader import load_shard, load_spec
@@ -293,7 +303,8 @@ def main() -> None:
     exact, theirs = [], []
     peer: dict[str, list[tuple[float, float]]] = {fmt: [] for fmt in ggufs}
     unrepacked = {fmt for fmt, path in ggufs.items() if not repacks_safely(path, prompt, args.tokens, args.threads)}
-    ints: dict[str, list[tuple[float, float]]] = {"int8": [], "int4": []}
+    q8 = {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu_flags()  # where int8 rows (int_matmul.activations) run
+    ints: dict[str, list[tuple[float, float]]] = {"int8": [], "int4": []} | ({"int4-q8": []} if q8 else {})
     int_bytes: dict[str, int] = {}
     probe, half = ReadProbe(), max(1, args.threads // 2)
     shm: list[float] = []  # tp=2 (--allreduce shm) tok/s per round, run right after that round's tp=1
@@ -335,6 +346,9 @@ def main() -> None:
 
     def row_path(fmt: str) -> str:
         """How the int kernel takes this run's rows here (this machine's measured choice)."""
+        if fmt == "int4-q8":
+            two = ", two weight rows at a time (this machine's measured choice)" if int_matmul.q8_pairs() else ""
+            return f" rounded to int8 per 32-block in the kernel (SHARDWISE_INT_ACTIVATIONS=int8: llama.cpp's Q4_0 arithmetic{two})"
         bits = 8 if fmt == "int8" else 4
         path = int_matmul.row_path(bits) if args.dtype == "bfloat16" else "float32_pairs" if int_matmul.pairs(bits) else "float32"
         how = "as they are (vdpbf16ps)" if path.startswith("bfloat16") else "as float32"
@@ -350,11 +364,11 @@ def main() -> None:
           f"{paired_shares(ours, weight_bytes)}")
     for fmt, runs in ints.items():
         rates = [rate for rate, _ in runs]
-        print(f"shardwise {fmt:5s} {max(rates):6.2f} tok/s  ({int_bytes[fmt] / 1e9:.2f} GB per token, "
+        print(f"shardwise {fmt:7s} {max(rates):6.2f} tok/s  ({int_bytes[fmt] / 1e9:.2f} GB per token, "
               f"{100 * max(rates) * int_bytes[fmt] / (read * 1e9):.0f}% of the best sample's roofline, "
               f"{paired_shares(runs, int_bytes[fmt])}), {args.dtype} activations{row_path(fmt)}")
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
-    int_of = {"Q8_0": "int8", "Q4_0": "int4"}
+    int_of = {"Q8_0": "int8", "Q4_0": "int4-q8" if q8 else "int4"}  # Q4_0 rounds rows to Q8_0 as int4-q8 does
     for fmt, runs in peer.items():
         nbytes, rate = gguf_token_bytes(ggufs[fmt]) + cache_bytes(args.prompt, args.tokens, 2), max(r for r, _ in runs)
         if dtype_of.get(fmt) == args.dtype:

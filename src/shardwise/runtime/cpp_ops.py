@@ -15,6 +15,7 @@ killed is removed first — otherwise every later build would wait for it foreve
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import sys
@@ -85,8 +86,10 @@ def build_dir(source: str) -> Path:
     return Path(root) / f"shardwise_{Path(source).stem}_{hashlib.sha1(key).hexdigest()[:12]}"
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as Linux lists them (``avx512_bf16``, ``amx_tile``, ...); empty where unknown."""
+    """This CPU's feature flags as Linux lists them (``avx512_bf16``, ``amx_tile``, ...); empty where unknown. Read
+    once per process."""
     return frozenset(next((line for line in _cpu_info() if line.startswith("flags")), "").partition(":")[2].split())
 
 

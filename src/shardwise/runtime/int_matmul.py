@@ -66,8 +66,13 @@ WIDEN_MARGIN = 1.05
 """bfloat16 rows are widened to float32 only if that streams at least this many times as fast (``row_path``)."""
 ROW_PATHS = ("bfloat16", "bfloat16_pairs", "float32", "float32_pairs")
 """How bfloat16 rows may reach the kernel (``row_path``)."""
+ACTIVATIONS = ("float", "int8")
+"""What rows 4-bit weights multiply (``activations``)."""
+Q8_PATHS = ("int8", "int8_pairs")
+"""How int8 rows run: one weight row per pass or two (``q8_pairs``)."""
 _kernel = None
 _paths: dict[tuple[int, int], tuple[str, bool]] = {}
+_q8_pairs: dict[int, bool] = {}
 
 
 def runs_as_gemm(rows: torch.Tensor) -> bool:
@@ -83,6 +88,33 @@ def kernel_rows(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, bool]:
     if rows.dtype == torch.bfloat16 and row_path(bits).startswith("bfloat16"):
         return rows.contiguous(), row_path(bits) == "bfloat16_pairs"
     return rows.float().contiguous(), pairs(bits)
+
+
+def activations() -> str:
+    """How rows meet 4-bit integer weights in the one-row kernel: ``float`` (as they are, every product exact) or
+    ``int8`` — each 32-block of a row rounded to int8 with its own float32 step (max|x| / 127), llama.cpp's Q4_0 x Q8_0
+    arithmetic (``csrc/int_matmul_q8.h``); from ``SHARDWISE_INT_ACTIVATIONS``, float unless set. int8 needs AVX-512
+    VNNI; weights it does not fit (``IntWeight.takes_int8_rows``) and passes of ``GEMM_ROWS`` or more keep float rows."""
+    chosen = os.environ.get("SHARDWISE_INT_ACTIVATIONS", "").strip().lower() or "float"
+    if chosen not in ACTIVATIONS:
+        raise ShardwiseError(f"SHARDWISE_INT_ACTIVATIONS={chosen!r}: set it to one of {', '.join(ACTIVATIONS)}, or unset it")
+    if chosen == "int8" and not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags():
+        raise ShardwiseError("SHARDWISE_INT_ACTIVATIONS=int8 needs a CPU with AVX-512 VNNI (this one lacks it): unset it")
+    return chosen
+
+
+def q8_pairs() -> bool:
+    """Whether int8 rows (``activations``) run two 4-bit weight rows per pass (the kernel's ``pairs``; the same bits as
+    one at a time), as measured faster here at torch's current thread count (``measure_rows`` over ``Q8_PATHS``,
+    stored beside the build). Xeon VM (AMX, 2 vCPUs), the 2048x10 llama's int4 checkpoint in bfloat16, 6 rounds
+    shuffled in one process: float rows 55.9 tok/s, int8 rows 63.8, two at a time 67.7."""
+    threads = torch.get_num_threads()
+    if threads not in _q8_pairs:
+        path = build_dir() / f"int8-rows-choice-4bit-{threads}t.json"
+        record = kernel_choice.stored(path, lambda: measure_rows(4, Q8_PATHS), lambda rates: max(Q8_PATHS, key=rates.get),
+                                      lambda record: record["cpu_share"] >= kernel_choice.CONTENDED_SHARE, Q8_PATHS)
+        _q8_pairs[threads] = record["choice"] == "int8_pairs"
+    return _q8_pairs[threads]
 
 
 def row_path(bits: int) -> str:
@@ -143,7 +175,7 @@ def decide_rows(rates: dict[str, float]) -> str:
 
 def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
     """GB/s of packed weight bytes (and scales) the kernel streams for one bfloat16 row along each of ``names``
-    (``ROW_PATHS``; widening timed with the product), best of ``rounds`` over ``nbytes`` of ``bits``-bit weights
+    (``ROW_PATHS``, widening timed with the product; or ``Q8_PATHS``, rounding to int8 timed with it), best of ``rounds`` over ``nbytes`` of ``bits``-bit weights
     (per channel for 8 bits, groups of 32 for 4, bfloat16 scales) shaped as a decoder's (``gemv.MEASURE_SHAPES``),
     in huge pages where the host gives them, the paths taking turns weight by weight
     (``kernel_choice.side_by_side``); and ``cpu_share``."""
@@ -165,7 +197,8 @@ def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_B
     def run(name: str, i: int) -> int:
         q, scale, group, moved = weights[i]
         x = xs[q.shape[1] * 8 // bits]
-        op(x if name.startswith("bfloat16") else x.float(), q, scale, bits, group, torch.bfloat16, name.endswith("_pairs"))
+        rows = x.float() if name.startswith("float32") else x
+        op(rows, q, scale, bits, group, torch.bfloat16, name.endswith("_pairs"), name.startswith("int8"))
         return moved
 
     return kernel_choice.side_by_side(names, run, len(weights), rounds)
@@ -206,6 +239,10 @@ class IntWeight(nn.Module):
         self.scale = nn.Parameter(scale, requires_grad=False)
         self.bits, self.group = bits, group
         self.in_features = q.shape[1] * 8 // bits
+        self.takes_int8_rows = bits == 4 and self.in_features % 128 == 0 and scale.dtype != torch.uint8 and (
+            group in (32, 64) or group % 128 == 0)
+        """Whether ``activations()`` = int8 applies to this weight (the kernel's q8 path: 4-bit integers in whole
+        128-weight lines)."""
 
     @classmethod
     def from_stored(cls, packed: torch.Tensor, scale: torch.Tensor, bits: int) -> IntWeight:
@@ -244,10 +281,11 @@ class IntWeight(nn.Module):
             y = self._dequantized_blocks(rows)
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
-        rows, two = kernel_rows(rows, self.bits)
+        q8 = self.takes_int8_rows and activations() == "int8"
+        rows, two = (rows.contiguous(), q8_pairs()) if q8 and x.dtype in (torch.float32, torch.bfloat16) else kernel_rows(rows, self.bits)
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
-            return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, two).view(*x.shape[:-1], self.q.shape[0])
-        y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, two)
+            return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, two, q8).view(*x.shape[:-1], self.q.shape[0])
+        y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, two, q8)
         return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
 
     def _dequantized_blocks(self, rows: torch.Tensor) -> torch.Tensor | None:

@@ -193,6 +193,10 @@ void dot4_f32(const uint8_t* const* q, const float* xp, int64_t K, int64_t group
   }, out);
 }
 
+#if defined(__AVX512VNNI__)
+#define SHARDWISE_Q8 1
+#include "int_matmul_q8.h"
+#endif
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -306,63 +310,10 @@ std::vector<T> line_order(const T* xs, int64_t n, int blocks) {
   return perm;
 }
 
-// y[m, r] = dot(r, m), float32 or rounded once to bfloat16 (nearest even, as Tensor.to); threads take runs of weight
-// rows (dynamic_for.h, about 128 KB of packed rows + scales each), one sums each; with `dot2(a, b, m, out)` summing
-// rows a and b together, a run's rows go two at a time (run_in_pairs).
-template <class Dot, class Dot2>
-void each_output(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, const Dot& dot, const Dot2* dot2) {
-  const auto fill = [&](auto* yp) {
-    using T = std::remove_pointer_t<decltype(yp)>;
-    const auto one = [&](int64_t r) {
-      for (int64_t m = 0; m < M; ++m) yp[m * N + r] = T(dot(r, m));
-    };
-    shardwise::dynamic_for(N, shardwise::run_rows(row_bytes, 32), [&](int64_t r0, int64_t r1) {
-      if (dot2 == nullptr) {
-        for (int64_t r = r0; r < r1; ++r) one(r);
-        return;
-      }
-      shardwise::run_in_pairs(r0, r1, [&](int64_t ra, int64_t rb) {
-        for (int64_t m = 0; m < M; ++m) {
-          float out[2];
-          (*dot2)(ra, rb, m, out);
-          yp[m * N + ra] = T(out[0]);
-          yp[m * N + rb] = T(out[1]);
-        }
-      }, one);
-    });
-  };
-  if (y.scalar_type() == at::kBFloat16) return fill(y.data_ptr<at::BFloat16>());
-  fill(y.data_ptr<float>());
-}
-template <class Dot>
-void each_output(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, const Dot& dot) {
-  const auto no_pairs = [](int64_t, int64_t, int64_t, float*) {};
-  each_output(y, M, N, row_bytes, dot, static_cast<const decltype(no_pairs)*>(nullptr));
-}
-
-// Every output through sum(R, rows, s0, m, out), which sums R weight rows (rows[i] = q + r_i * stride, their scales
-// from s0[i]) against x row m — one at a time, or with `pairs` two far apart (each_output); R is passed as a
-// std::integral_constant. Each row's bits are its own either way.
-template <class P, class Sum>
-void sum_rows(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, int64_t G, bool pairs, const P* q,
-              int64_t stride, const Sum& sum) {
-  const auto one = [&](int64_t r, int64_t m) {
-    const P* rows[1] = {q + r * stride};
-    const int64_t s0[1] = {r * G};
-    float out;
-    sum(std::integral_constant<int, 1>{}, rows, s0, m, &out);
-    return out;
-  };
-  const auto two = [&](int64_t a, int64_t b, int64_t m, float* out) {
-    const P* rows[2] = {q + a * stride, q + b * stride};
-    const int64_t s0[2] = {a * G, b * G};
-    sum(std::integral_constant<int, 2>{}, rows, s0, m, out);
-  };
-  each_output(y, M, N, row_bytes, one, pairs ? &two : nullptr);
-}
+#include "int_matmul_outputs.h"
 
 at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group,
-                      std::optional<at::ScalarType> out_dtype, bool pairs) {
+                      std::optional<at::ScalarType> out_dtype, bool pairs, bool q8) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scale.dim() == 2 && scale.is_contiguous(), "q and scale must be contiguous 2-D");
@@ -386,6 +337,19 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const void* sp = scale.data_ptr();
   const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
   [[maybe_unused]] const bool lines = bits == 4 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0);
+  if (q8) {  // x rounded to int8 per 32-block (int_matmul_q8.h)
+    TORCH_CHECK(lines && sk != kE8M0, "q8 takes 4-bit integer weights (not MXFP4), rows a multiple of 128 wide, groups of 32, 64 or k*128");
+#if defined(SHARDWISE_Q8)
+    const std::vector<Q8Chunk> xc = x_in.scalar_type() == at::kFloat ? q8_rows(x_in.data_ptr<float>(), M, K)
+        : q8_rows(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K);
+    sum_rows(y, M, N, row_bytes, G, pairs, q.data_ptr<uint8_t>(), K / 2, [&](auto R, const uint8_t* const* rows, const int64_t* s0, int64_t m, float* out) {
+      dot4_q8<decltype(R)::value>(rows, xc.data() + m * (K / 128), K, group, sp, sk, s0, out);
+    });
+    return y;
+#else
+    TORCH_CHECK(false, "q8 needs a CPU with AVX-512 VNNI");
+#endif
+  }
 #if defined(SHARDWISE_BF16_DOT)
   if (lines && x_in.scalar_type() == at::kBFloat16) {
     const std::vector<uint16_t> perm = line_order(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M * K, 4);
@@ -440,6 +404,6 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(shardwise_int, m) {
-  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None, bool pairs=False) -> Tensor",
+  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None, bool pairs=False, bool q8=False) -> Tensor",
         &int_matmul);
 }

@@ -1,0 +1,151 @@
+"""4-bit weights against rows rounded to int8 (``SHARDWISE_INT_ACTIVATIONS=int8``: llama.cpp's Q4_0 x Q8_0
+arithmetic, ``csrc/int_matmul_q8.h``): the kernel equals an independent reference of that arithmetic, a row's
+result does not depend on the rows beside it or on the two-row schedule, a model's output stays within the rounding's
+own bound of the float-row one, speculative decoding still equals plain decoding, and bad settings are named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardwise.errors import ShardwiseError
+from shardwise.plan import ParallelPlan
+from shardwise.runtime import cpp_ops, int_matmul
+from shardwise.runtime.checkpoint import make_checkpoint
+from shardwise.runtime.drafters import PromptLookup
+from shardwise.runtime.generate import SamplingParams, generate
+from shardwise.runtime.int_matmul import IntWeight
+from shardwise.runtime.loader import load_shard, load_spec
+from shardwise.runtime.model import ShardedCausalLM
+from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
+from shardwise.runtime.speculative import speculative_generate
+
+pytestmark = pytest.mark.skipif(not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags(),
+                                reason="int8 rows need AVX-512 VNNI")
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8 rows stand for it, in float64: each 32-block's step d = max|x| / 127 (float32), its
+    values round-half-even(x * (1 / d)) times d."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv).double() * d.double()).view(x.shape)
+
+
+def _unpacked(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """The weight [N, K] in float64: element 2j in byte j's low nibble, 2j+1 in its high one, each minus 8, times
+    its group's scale."""
+    values = torch.stack([(q & 15).long() - 8, (q >> 4).long() - 8], dim=-1).view(q.shape[0], -1).double()
+    return values * scale.double().repeat_interleave(group, dim=1)
+
+
+@pytest.mark.parametrize("row_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width", "group", "m"), [(37, 256, 32, 1), (130, 2048, 32, 3), (9, 384, 64, 2),
+                                                            (65, 512, 256, 1), (1, 128, 128, 4)])
+def test_kernel_is_the_q8_arithmetic_and_row_invariant(rows, width, group, m, row_dtype):
+    gen = torch.Generator().manual_seed(rows + width + group)
+    q = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16()
+    x = (torch.randn(m, width, generator=gen) * torch.logspace(-3, 1, width)).to(row_dtype)  # blocks of unlike size
+    x[0, :32] = 0  # an all-zero block: step 0
+    op = int_matmul.kernel()
+    y = op(x, q, scale, 4, group, None, False, True)
+    expected = _rounded(x) @ _unpacked(q, scale, group).T
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    assert torch.equal(op(x, q, scale, 4, group, None, True, True), y)  # two weight rows at a time: the same bits
+    for i in range(m):  # each row alone: the same bits as beside the others
+        assert torch.equal(op(x[i : i + 1].contiguous(), q, scale, 4, group, None, False, True), y[i : i + 1])
+    x[1 % m, 5] = float("nan")
+    assert op(x, q, scale, 4, group, None, False, True)[1 % m].isnan().all()  # a NaN is not rounded away
+    with pytest.raises(RuntimeError, match="q8 takes 4-bit integer weights"):
+        op(x, q.view(torch.int8).repeat(1, 2), scale, 8, group, None, False, True)
+
+
+def _weight(width: int = 512, rows: int = 48) -> IntWeight:
+    from shardwise.quant import int_codec
+
+    w = torch.randn(rows, width, generator=torch.Generator().manual_seed(3)) * 0.05
+    q, s = int_codec.encode(w.numpy(), 4, 32)
+    return IntWeight.from_stored(torch.from_numpy(int_codec.pack(q, 4)), torch.from_numpy(s).bfloat16(), 4)
+
+
+def test_weight_follows_the_setting_within_the_roundings_bound(monkeypatch):
+    weight = _weight()
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(4))
+    monkeypatch.delenv("SHARDWISE_INT_ACTIVATIONS", raising=False)
+    assert int_matmul.activations() == "float"
+    floats = weight(x)
+    monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")
+    assert int_matmul.activations() == "int8" and weight.takes_int8_rows
+    rounded = weight(x)
+    w = weight.dequantized().double()
+    # |x - rounded x| <= d / 2 per element: the products move by at most sum |w| d / 2, plus float32 sums' rounding
+    d = x.view(1, -1, 32).abs().amax(-1) / 127
+    bound = (w.abs().view(w.shape[0], -1, 32).sum(-1) * d.double() / 2).sum(-1) + 1e-5
+    gap = (rounded.double() - floats.double()).abs()[0]
+    assert (gap <= bound).all() and gap.max() > 0  # rounded, and no further than the rounding allows
+    torch.testing.assert_close(rounded.double(), _rounded(x) @ w.T, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int4")
+    with pytest.raises(ShardwiseError, match="SHARDWISE_INT_ACTIVATIONS='int4': set it to one of float, int8"):
+        weight(x)
+    monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")
+    monkeypatch.setattr(cpp_ops, "cpu_flags", lambda: frozenset({"avx2"}))
+    with pytest.raises(ShardwiseError, match="needs a CPU with AVX-512 VNNI"):
+        weight(x)
+
+
+def test_pairs_choice_is_measured_once_and_followed(tmp_path, monkeypatch):
+    monkeypatch.setattr(int_matmul, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(int_matmul, "_q8_pairs", {})
+    path = tmp_path / f"int8-rows-choice-4bit-{torch.get_num_threads()}t.json"
+    chosen = int_matmul.q8_pairs()
+    if path.exists():  # measured without other work beside it: stored
+        stored = json.loads(path.read_text())
+        assert all(stored[name] > 0.5 for name in int_matmul.Q8_PATHS), stored  # GB/s of packed weights
+        assert chosen == (stored["choice"] == "int8_pairs") == (stored["int8_pairs"] > stored["int8"])
+    for choice in int_matmul.Q8_PATHS:
+        path.write_text(json.dumps({"int8": 1.0, "int8_pairs": 1.0, "cpu_share": 1.0, "choice": choice}))
+        int_matmul._q8_pairs.clear()
+        assert int_matmul.q8_pairs() == (choice == "int8_pairs")
+
+
+@pytest.fixture(scope="module")
+def int4_llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q8")
+    src = make_checkpoint("llama-3.1-8b", "tiny", root / "f", seed=21,
+                          overrides={"hidden_size": 256, "intermediate_size": 384, "head_dim": 64})
+    quantize_checkpoint(src, root / "int4", "int4", compare=False, lm_head=True)
+    return root / "int4"
+
+
+def _model(folder, dtype=torch.float32, max_step_tokens: int = 1) -> ShardedCausalLM:
+    model = ShardedCausalLM(load_spec(folder), ParallelPlan(), 0, dtype, max_seq_len=64, max_step_tokens=max_step_tokens)
+    load_shard(model, folder)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_runs_on_int8_rows_and_speculation_still_equals_plain(int4_llama, dtype, monkeypatch):
+    prompt = [3, 17, 101, 42, 7, 250, 11, 64, 3, 17, 101]
+    model = _model(int4_llama, dtype)
+    weights = [m for m in model.modules() if isinstance(m, IntWeight)]
+    assert weights and all(w.takes_int8_rows for w in weights)  # every product of this model takes the int8 rows
+    monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "float")
+    floats = generate(model, prompt, 12, SamplingParams(), eos=set(), exact=True)
+    monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")
+    plain = generate(model, prompt, 12, SamplingParams(), eos=set(), exact=True)
+    with torch.no_grad():
+        logits8 = model.logits(torch.tensor([prompt[:1]]))
+        monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "float")
+        logits = model.logits(torch.tensor([prompt[:1]]))
+    assert not torch.equal(logits8, logits)  # the setting reached the products
+    torch.testing.assert_close(logits8.float(), logits.float(), rtol=0.05, atol=0.05 * logits.abs().max().item())
+    assert len(plain.tokens) == len(floats.tokens) == 12
+    monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")
+    for k in (1, 3):
+        spec = speculative_generate(_model(int4_llama, dtype, max_step_tokens=k + 1), prompt, 12, PromptLookup(1, 3), k,
+                                    eos=set())
+        assert spec.tokens == plain.tokens, k
