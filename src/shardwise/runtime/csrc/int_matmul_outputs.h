@@ -3,7 +3,7 @@
 #pragma once
 
 // y[m, r] = dot(r, m), float32 or rounded once to bfloat16 (nearest even, as Tensor.to); threads take runs of weight
-// rows (dynamic_for.h, about 128 KB of packed rows + scales each), one sums each; with `dot2(a, b, m, out)` summing
+// rows (dynamic_for.h, about 512 KB of packed rows + scales each), one sums each; with `dot2(a, b, m, out)` summing
 // rows a and b together, a run's rows go two at a time (run_in_pairs).
 template <class Dot, class Dot2>
 void each_output(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, const Dot& dot, const Dot2* dot2) {
@@ -12,7 +12,7 @@ void each_output(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, c
     const auto one = [&](int64_t r) {
       for (int64_t m = 0; m < M; ++m) yp[m * N + r] = T(dot(r, m));
     };
-    shardwise::dynamic_for(N, shardwise::run_rows(row_bytes, 32), [&](int64_t r0, int64_t r1) {
+    shardwise::dynamic_for(N, shardwise::run_rows(row_bytes, 32, shardwise::kIntChunkBytes), [&](int64_t r0, int64_t r1) {
       if (dot2 == nullptr) {
         for (int64_t r = r0; r < r1; ++r) one(r);
         return;
