@@ -12,6 +12,7 @@ import torch
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan
+from shardwise.quant.mxfp4_codec import E2M1_VALUES
 from shardwise.runtime import cpp_ops, int_matmul
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.drafters import PromptLookup
@@ -36,19 +37,25 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def _unpacked(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """The weight [N, K] in float64: element 2j in byte j's low nibble, 2j+1 in its high one, each minus 8, times
-    its group's scale."""
-    values = torch.stack([(q & 15).long() - 8, (q >> 4).long() - 8], dim=-1).view(q.shape[0], -1).double()
-    return values * scale.double().repeat_interleave(group, dim=1)
+    """The weight [N, K] in float64: element 2j in byte j's low nibble, 2j+1 in its high one, each minus 8 times
+    its group's scale — or, for uint8 (E8M0) scales, MXFP4: each nibble's E2M1 value times 2^(scale - 127)."""
+    nibbles = torch.stack([q & 15, q >> 4], dim=-1).view(q.shape[0], -1).long()
+    if scale.dtype == torch.uint8:
+        values = torch.from_numpy(E2M1_VALUES).double()[nibbles]
+        return values * torch.ldexp(torch.ones(scale.shape, dtype=torch.float64), scale.long() - 127).repeat_interleave(group, dim=1)
+    return (nibbles - 8).double() * scale.double().repeat_interleave(group, dim=1)
 
 
 @pytest.mark.parametrize("row_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "width", "group", "m"), [(37, 256, 32, 1), (130, 2048, 32, 3), (9, 384, 64, 2),
-                                                            (65, 512, 256, 1), (1, 128, 128, 4)])
-def test_kernel_is_the_q8_arithmetic_and_row_invariant(rows, width, group, m, row_dtype):
+@pytest.mark.parametrize(("rows", "width", "group", "m", "mxfp4"), [(37, 256, 32, 1, False), (130, 2048, 32, 3, False),
+                                                                     (9, 384, 64, 2, False), (65, 512, 256, 1, False),
+                                                                     (1, 128, 128, 4, False), (37, 256, 32, 2, True),
+                                                                     (130, 2048, 32, 1, True)])
+def test_kernel_is_the_q8_arithmetic_and_row_invariant(rows, width, group, m, mxfp4, row_dtype):
     gen = torch.Generator().manual_seed(rows + width + group)
     q = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
-    scale = (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16()
+    scale = (torch.randint(118, 130, (rows, width // group), dtype=torch.uint8, generator=gen) if mxfp4
+             else (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16())
     x = (torch.randn(m, width, generator=gen) * torch.logspace(-3, 1, width)).to(row_dtype)  # blocks of unlike size
     x[0, :32] = 0  # an all-zero block: step 0
     op = int_matmul.kernel()
@@ -60,8 +67,8 @@ def test_kernel_is_the_q8_arithmetic_and_row_invariant(rows, width, group, m, ro
         assert torch.equal(op(x[i : i + 1].contiguous(), q, scale, 4, group, None, False, True), y[i : i + 1])
     x[1 % m, 5] = float("nan")
     assert op(x, q, scale, 4, group, None, False, True)[1 % m].isnan().all()  # a NaN is not rounded away
-    with pytest.raises(RuntimeError, match="q8 takes 4-bit integer weights"):
-        op(x, q.view(torch.int8).repeat(1, 2), scale, 8, group, None, False, True)
+    with pytest.raises(RuntimeError, match="q8 takes 4-bit weights"):
+        op(x, q.view(torch.int8).repeat(1, 2), torch.ones(rows, width // group), 8, group, None, False, True)
 
 
 def _weight(width: int = 512, rows: int = 48) -> IntWeight:
@@ -113,12 +120,15 @@ def test_pairs_choice_is_measured_once_and_followed(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def int4_llama(tmp_path_factory):
+def four_bit(tmp_path_factory) -> dict[str, object]:
+    """A llama quantized to int4 (LM head too) and a gpt-oss with MXFP4 experts, rows 256 wide."""
     root = tmp_path_factory.mktemp("q8")
-    src = make_checkpoint("llama-3.1-8b", "tiny", root / "f", seed=21,
-                          overrides={"hidden_size": 256, "intermediate_size": 384, "head_dim": 64})
+    wide = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64}
+    src = make_checkpoint("llama-3.1-8b", "tiny", root / "f", seed=21, overrides=wide)
     quantize_checkpoint(src, root / "int4", "int4", compare=False, lm_head=True)
-    return root / "int4"
+    mxfp4 = make_checkpoint("gpt-oss-20b", "tiny", root / "mxfp4", seed=22, quant="mxfp4",
+                            overrides=wide | {"intermediate_size": 256})
+    return {"int4": root / "int4", "mxfp4": mxfp4}
 
 
 def _model(folder, dtype=torch.float32, max_step_tokens: int = 1) -> ShardedCausalLM:
@@ -127,12 +137,13 @@ def _model(folder, dtype=torch.float32, max_step_tokens: int = 1) -> ShardedCaus
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_runs_on_int8_rows_and_speculation_still_equals_plain(int4_llama, dtype, monkeypatch):
+@pytest.mark.parametrize(("kind", "dtype"), [("int4", torch.float32), ("int4", torch.bfloat16), ("mxfp4", torch.bfloat16)])
+def test_model_runs_on_int8_rows_and_speculation_still_equals_plain(four_bit, kind, dtype, monkeypatch):
     prompt = [3, 17, 101, 42, 7, 250, 11, 64, 3, 17, 101]
-    model = _model(int4_llama, dtype)
+    folder = four_bit[kind]
+    model = _model(folder, dtype)
     weights = [m for m in model.modules() if isinstance(m, IntWeight)]
-    assert weights and all(w.takes_int8_rows for w in weights)  # every product of this model takes the int8 rows
+    assert kind == "mxfp4" or (weights and all(w.takes_int8_rows for w in weights))  # all int4 products take them
     monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "float")
     floats = generate(model, prompt, 12, SamplingParams(), eos=set(), exact=True)
     monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")
@@ -146,6 +157,6 @@ def test_model_runs_on_int8_rows_and_speculation_still_equals_plain(int4_llama, 
     assert len(plain.tokens) == len(floats.tokens) == 12
     monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")
     for k in (1, 3):
-        spec = speculative_generate(_model(int4_llama, dtype, max_step_tokens=k + 1), prompt, 12, PromptLookup(1, 3), k,
+        spec = speculative_generate(_model(folder, dtype, max_step_tokens=k + 1), prompt, 12, PromptLookup(1, 3), k,
                                     eos=set())
         assert spec.tokens == plain.tokens, k

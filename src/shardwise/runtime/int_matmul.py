@@ -81,10 +81,13 @@ def runs_as_gemm(rows: torch.Tensor) -> bool:
     return rows.shape[0] >= GEMM_ROWS and gemv.applies(rows)
 
 
-def kernel_rows(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, bool]:
+def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False) -> tuple[torch.Tensor, bool]:
     """(``rows`` as the kernel reads them for ``bits``-bit weights, contiguous: bfloat16 as they are unless this
     machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32; the kernel's
-    ``pairs`` argument for them: two weight rows at a time where this machine measured that faster)."""
+    ``pairs`` argument for them: two weight rows at a time where this machine measured that faster). With
+    ``int8_rows`` (the kernel's q8: it rounds float32 / bfloat16 rows itself) as they are, and ``q8_pairs``."""
+    if int8_rows and rows.dtype in (torch.float32, torch.bfloat16):
+        return rows.contiguous(), q8_pairs()
     if rows.dtype == torch.bfloat16 and row_path(bits).startswith("bfloat16"):
         return rows.contiguous(), row_path(bits) == "bfloat16_pairs"
     return rows.float().contiguous(), pairs(bits)
@@ -93,8 +96,9 @@ def kernel_rows(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, bool]:
 def activations() -> str:
     """How rows meet 4-bit integer weights in the one-row kernel: ``float`` (as they are, every product exact) or
     ``int8`` — each 32-block of a row rounded to int8 with its own float32 step (max|x| / 127), llama.cpp's Q4_0 x Q8_0
-    arithmetic (``csrc/int_matmul_q8.h``); from ``SHARDWISE_INT_ACTIVATIONS``, float unless set. int8 needs AVX-512
-    VNNI; weights it does not fit (``IntWeight.takes_int8_rows``) and passes of ``GEMM_ROWS`` or more keep float rows."""
+    arithmetic (``csrc/int_matmul_q8.h``; MXFP4 experts too, as its MXFP4 x Q8_0); from ``SHARDWISE_INT_ACTIVATIONS``,
+    float unless set. int8 needs AVX-512 VNNI; weights it does not fit (rows not a multiple of 128 wide:
+    ``IntWeight.takes_int8_rows``) and passes of ``GEMM_ROWS`` or more keep float rows."""
     chosen = os.environ.get("SHARDWISE_INT_ACTIVATIONS", "").strip().lower() or "float"
     if chosen not in ACTIVATIONS:
         raise ShardwiseError(f"SHARDWISE_INT_ACTIVATIONS={chosen!r}: set it to one of {', '.join(ACTIVATIONS)}, or unset it")
@@ -239,8 +243,7 @@ class IntWeight(nn.Module):
         self.scale = nn.Parameter(scale, requires_grad=False)
         self.bits, self.group = bits, group
         self.in_features = q.shape[1] * 8 // bits
-        self.takes_int8_rows = bits == 4 and self.in_features % 128 == 0 and scale.dtype != torch.uint8 and (
-            group in (32, 64) or group % 128 == 0)
+        self.takes_int8_rows = bits == 4 and self.in_features % 128 == 0 and (group in (32, 64) or group % 128 == 0)
         """Whether ``activations()`` = int8 applies to this weight (the kernel's q8 path: 4-bit integers in whole
         128-weight lines)."""
 
@@ -281,8 +284,8 @@ class IntWeight(nn.Module):
             y = self._dequantized_blocks(rows)
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
-        q8 = self.takes_int8_rows and activations() == "int8"
-        rows, two = (rows.contiguous(), q8_pairs()) if q8 and x.dtype in (torch.float32, torch.bfloat16) else kernel_rows(rows, self.bits)
+        q8 = self.takes_int8_rows and x.dtype in (torch.float32, torch.bfloat16) and activations() == "int8"
+        rows, two = kernel_rows(rows, self.bits, q8)
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
             return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, two, q8).view(*x.shape[:-1], self.q.shape[0])
         y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, two, q8)

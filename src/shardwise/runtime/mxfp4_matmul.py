@@ -20,7 +20,9 @@ On an AVX-512 CPU, float32 / bfloat16 passes of fewer than ``int_matmul.GEMM_ROW
 speculative verify) — and every pass under ``exact.row_blocked()`` — multiply the packed bytes directly
 with ``int_matmul``'s compiled kernel (uint8 E8M0 scales select MXFP4: E2M1 values, exact products, each
 row summed in one fixed order, nothing decoded to memory): in ``benchmarks/bench_mxfp4.py``'s decode the
-dense decode-then-matmul made MXFP4 experts ~3x slower per token than BF16 ones.
+dense decode-then-matmul made MXFP4 experts ~3x slower per token than BF16 ones. With
+``SHARDWISE_INT_ACTIVATIONS=int8`` (``int_matmul.activations``) rows whose width is a multiple of 128 are rounded
+to int8 per 32-block in the kernel and multiplied as integers (llama.cpp's MXFP4 x Q8_0).
 """
 
 import torch
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import cpp_ops
-from shardwise.runtime.int_matmul import SOURCE, kernel_rows, runs_as_gemm
+from shardwise.runtime.int_matmul import SOURCE, activations, kernel_rows, runs_as_gemm
 from shardwise.quant.mxfp4_codec import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, check_blocks_scales
 
 _BYTES_PER_BLOCK = BLOCK_SIZE // 2
@@ -91,8 +93,9 @@ def mxfp4_matmul(
     op = _packed_kernel(rows, blocks)
     if op is None:
         return F.linear(x, decode(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
-    rows, two = kernel_rows(rows, 4)
-    y = op(rows, blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype, two)
+    q8 = rows.shape[1] % 128 == 0 and activations() == "int8"
+    rows, two = kernel_rows(rows, 4, q8)
+    y = op(rows, blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype, two, q8)
     y = y.view(*x.shape[:-1], blocks.shape[0])
     return y if bias is None else y + bias.to(x.dtype)
 

@@ -5,7 +5,8 @@
 // (xq = round-half-even(x * (1 / d)), so |x - d xq| <= d / 2); then every product is an exact integer (vpdpbusd:
 // 64 unsigned nibbles times 64 signed bytes, summed four at a time into 16 int32 lanes), and a lane's integer sum
 // times its weight scale times its block's d is added in float32. The nibbles are the stored values (q + 8); the
-// 8 * sum(xq) they add is taken off by starting each lane at -8 times its eight xq's sum. Each row's sum depends on
+// 8 * sum(xq) they add is taken off by starting each lane at -8 times its eight xq's sum. MXFP4's E2M1 values go in
+// doubled and offset by 12 (one byte shuffle per 64), their unit 0.5 folded into d. Each row's sum depends on
 // that row of x alone and is summed in one fixed order: a k+1-row verify pass equals k+1 one-row steps bit for bit.
 //
 // Why: on a Xeon VM (AMX, 2 vCPUs), 4-bit rows of 2048 (groups of 32), the bfloat16-row loop streamed 10.0-10.7 GB/s
@@ -32,9 +33,10 @@ inline __m512 widen16(const uint16_t* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
 }
 
-// Rows x [M, K] (float32, or bfloat16 as uint16), K a multiple of 128, as M * K / 128 chunks.
+// Rows x [M, K] (float32, or bfloat16 as uint16), K a multiple of 128, as M * K / 128 chunks, for weights whose
+// stored nibbles stand for (nibble - offset) * unit: int4 8 and 1, MXFP4 (E2M1 values doubled) 12 and 0.5.
 template <class T>
-std::vector<Q8Chunk> q8_rows(const T* x, int64_t M, int64_t K) {
+std::vector<Q8Chunk> q8_rows(const T* x, int64_t M, int64_t K, int offset, float unit) {
   std::vector<Q8Chunk> out(M * K / 128);
   alignas(64) int32_t q[128];
   for (int64_t c = 0; c < M * K / 128; ++c) {
@@ -49,7 +51,7 @@ std::vector<Q8Chunk> q8_rows(const T* x, int64_t M, int64_t K) {
       const __m512 iv = _mm512_set1_ps(inv);
       _mm512_store_si512(q + 32 * b, _mm512_cvtps_epi32(_mm512_mul_ps(lo, iv)));  // rounds half to even (MXCSR)
       _mm512_store_si512(q + 32 * b + 16, _mm512_cvtps_epi32(_mm512_mul_ps(hi, iv)));
-      for (int i = 4 * b; i < 4 * b + 4; ++i) ch.xs[i] = d;
+      for (int i = 4 * b; i < 4 * b + 4; ++i) ch.xs[i] = d * unit;
     }
     for (int j = 0; j < 64; ++j) {
       ch.xe[j] = int8_t(q[2 * j]);
@@ -58,14 +60,18 @@ std::vector<Q8Chunk> q8_rows(const T* x, int64_t M, int64_t K) {
     for (int i = 0; i < 16; ++i) {
       int32_t s = 0;
       for (int e = 8 * i; e < 8 * i + 8; ++e) s += q[e];
-      ch.corr[i] = -8 * s;
+      ch.corr[i] = -offset * s;
     }
   }
   return out;
 }
 
-// R rows of 4-bit weights (q[i], scales from s0[i]: float32 or bfloat16; group 32, 64 or a multiple of 128) against
-// one row's chunks xc, each row summed exactly as alone (R = 1); chunks alternate between two accumulators.
+// MXFP4's nibbles as unsigned bytes 2 * E2M1 + 12 (0..24; the x chunks' offset 12, unit 0.5), one vpshufb each.
+const __m512i kE2M1Bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+
+// R rows of 4-bit weights (q[i], scales from s0[i]: float32, bfloat16 or E8M0 — then E2M1 values, group 32; else
+// group 32, 64 or a multiple of 128) against one row's chunks xc, each row summed exactly as alone (R = 1); chunks
+// alternate between two accumulators.
 template <int R>
 void dot4_q8(const uint8_t* const* q, const Q8Chunk* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
              const int64_t* s0, float* out) {
@@ -81,8 +87,13 @@ void dot4_q8(const uint8_t* const* q, const Q8Chunk* xc, int64_t K, int64_t grou
     for (int i = 0; i < R; ++i) {
       const __m512i w = _mm512_loadu_si512(q[i] + k / 2);
       __m512i acc = _mm512_load_si512(x.corr);
-      acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(w, low4), _mm512_load_si512(x.xe));
-      acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(w, 4), low4), _mm512_load_si512(x.xo));
+      __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      if (sk == kE8M0) {
+        lo = _mm512_shuffle_epi8(kE2M1Bytes, lo);
+        hi = _mm512_shuffle_epi8(kE2M1Bytes, hi);
+      }
+      acc = _mm512_dpbusd_epi32(acc, lo, _mm512_load_si512(x.xe));
+      acc = _mm512_dpbusd_epi32(acc, hi, _mm512_load_si512(x.xo));
       const __m512 ws = group < 128 ? chunk_scales(s, sk, s0[i] + k / group, count, idx) : _mm512_set1_ps(scale_at(s, sk, s0[i] + k / group));
       add_group(_mm512_mul_ps(ws, _mm512_load_ps(x.xs)), _mm512_cvtepi32_ps(acc), c & 1, a[i][0], a[i][1]);
     }
