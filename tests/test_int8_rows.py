@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from conftest import run_cli
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan
 from shardwise.quant.mxfp4_codec import E2M1_VALUES
@@ -96,12 +97,32 @@ def test_weight_follows_the_setting_within_the_roundings_bound(monkeypatch):
     assert (gap <= bound).all() and gap.max() > 0  # rounded, and no further than the rounding allows
     torch.testing.assert_close(rounded.double(), _rounded(x) @ w.T, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int4")
-    with pytest.raises(ShardwiseError, match="SHARDWISE_INT_ACTIVATIONS='int4': set it to one of float, int8"):
+    with pytest.raises(ShardwiseError, match="SHARDWISE_INT_ACTIVATIONS 'int4': use one of float, int8"):
         weight(x)
     monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")
     monkeypatch.setattr(cpp_ops, "cpu_flags", lambda: frozenset({"avx2"}))
-    with pytest.raises(ShardwiseError, match="needs a CPU with AVX-512 VNNI"):
+    with pytest.raises(ShardwiseError, match="SHARDWISE_INT_ACTIVATIONS int8 needs a CPU with AVX-512 VNNI"):
         weight(x)
+
+
+def test_run_and_serve_take_the_setting(four_bit, monkeypatch):
+    """``--int-activations`` reaches the ranks (the run's JSON says what they used; the tokens differ from float rows
+    only as the rounding allows: here, on this tiny random model, they are checked equal to a direct int8-row run);
+    a bad value is one line, before any rank starts."""
+    ids = "3,17,101,42,7,250,11,64"
+    docs = {}
+    for value in ("float", "int8"):
+        proc = run_cli("run", str(four_bit["int4"]), "--tp", "1", "--prompt-ids", ids, "--max-new-tokens", "6",
+                       "--int-activations", value, "--json")
+        assert proc.returncode == 0, proc.stderr
+        docs[value] = json.loads(proc.stdout)
+        assert docs[value]["int_activations"] == value
+    monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")
+    direct = generate(_model(four_bit["int4"]), [3, 17, 101, 42, 7, 250, 11, 64], 6, SamplingParams()).tokens
+    assert docs["int8"]["tokens"] == direct
+    for verb in ("run", "serve"):
+        proc = run_cli(verb, str(four_bit["int4"]), "--tp", "1", "--int-activations", "int4")
+        assert proc.returncode == 2 and proc.stderr.strip() == "error: --int-activations 'int4': use one of float, int8"
 
 
 def test_pairs_choice_is_measured_once_and_followed(tmp_path, monkeypatch):

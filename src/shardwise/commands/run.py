@@ -13,6 +13,9 @@ import typer
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S
 
+INT_ACTIVATIONS_HELP = ("rows 4-bit weights (int4, MXFP4) multiply: float (as they are, the default) or int8 (each "
+                        "32-block rounded to int8 and multiplied with AVX-512 VNNI: llama.cpp's Q4_0 / MXFP4 x Q8_0)")
+
 
 
 def runtime_layout(checkpoint: Path | None, tp: int | None, ep: int | None):
@@ -77,6 +80,7 @@ def _document(spec, folder: Path, request, reports: list[dict[str, Any]], backen
         "decode_s": first["decode_s"],
         "tok_per_s": first["tok_per_s"],
         "speculative": first["speculative"],
+        "int_activations": first["int_activations"],
         "ranks": [
             {k: r[k] for k in ("rank", "param_bytes", "cache_bytes", "experts", "load_s", "prefill_s", "tok_per_s")}
             for r in reports
@@ -227,12 +231,14 @@ def register(app: typer.Typer) -> None:
         ngram_min: Annotated[int, typer.Option("--ngram-min", help="shortest n-gram prompt lookup matches")] = 1,
         ngram_max: Annotated[int, typer.Option("--ngram-max", help="longest n-gram prompt lookup matches (tried first)")] = 3,
         draft: Annotated[Optional[Path], typer.Option("--draft", help="draft model checkpoint (same vocabulary; implies --spec draft)")] = None,
+        int_activations: Annotated[Optional[str], typer.Option("--int-activations", help=INT_ACTIVATIONS_HELP)] = None,
         json_out: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
     ) -> None:
         """Generate with the model split over --tp local processes (or join a torchrun group)."""
         from shardwise.runtime.generate import (
             DEFAULT_PROMPT, SamplingParams, check_prompt, encode_prompt, max_positions, parse_prompt_ids,
         )
+        from shardwise.runtime.int_matmul import check_activations
         from shardwise.runtime.loader import Checkpoint, check_checkpoint, load_spec
         from shardwise.runtime.model import torch_dtype
         from shardwise.runtime.rendezvous import check_backend, check_timeout
@@ -255,6 +261,8 @@ def register(app: typer.Typer) -> None:
             if draft is not None:
                 check_draft(folder, draft)
         check_timeout(timeout)
+        if int_activations is not None:
+            check_activations(int_activations, "--int-activations")
         if trace is not None:
             _check_trace(trace)
         if prompt_ids is not None:
@@ -269,7 +277,7 @@ def register(app: typer.Typer) -> None:
         request = RunRequest(
             checkpoint=str(folder), prompt_ids=ids, max_new_tokens=max_new_tokens, tp=tp, ep=ep, dtype=dtype,
             temperature=temperature, top_p=top_p, seed=seed, allreduce=allreduce, backend=backend,
-            trace=trace is not None, log=True, spec=spec_params,
+            trace=trace is not None, log=True, spec=spec_params, int_activations=int_activations,
         )
         if chosen:
             typer.echo(chosen, err=True)

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from shardwise.commands.run import INT_ACTIVATIONS_HELP
 from shardwise.errors import ShardwiseError
 
 SERVE_TIMEOUT_S = 30.0
@@ -56,6 +57,7 @@ def register(app: typer.Typer) -> None:
         spec_tokens: Annotated[int, typer.Option("--spec-tokens", help="tokens drafted per verify pass (k)")] = 4,
         ngram_min: Annotated[int, typer.Option("--ngram-min", help="shortest n-gram prompt lookup matches")] = 1,
         ngram_max: Annotated[int, typer.Option("--ngram-max", help="longest n-gram prompt lookup matches (tried first)")] = 3,
+        int_activations: Annotated[Optional[str], typer.Option("--int-activations", help=INT_ACTIVATIONS_HELP)] = None,
     ) -> None:
         """Serve the model split over --tp local processes (or a torchrun group) on an OpenAI-compatible API."""
         from shardwise.commands.run import resolve_allreduce, runtime_layout
@@ -84,6 +86,10 @@ def register(app: typer.Typer) -> None:
                                      "a cache per slot of its own; `shardwise run --spec draft` runs one")
             SpecParams(spec_method, spec_tokens, ngram_min, ngram_max)
         torch_dtype(dtype)
+        if int_activations is not None:
+            from shardwise.runtime.int_matmul import check_activations
+
+            check_activations(int_activations, "--int-activations")
         check_backend(backend)
         allreduce, chosen = resolve_allreduce(allreduce, spec, dtype, tp, torchrun, backend)
         with Checkpoint(folder) as ckpt:
@@ -94,6 +100,7 @@ def register(app: typer.Typer) -> None:
             dtype=dtype, host=host, port=port, max_batch=max_batch, max_model_len=max_model_len,
             prefill_chunk=prefill_chunk, allreduce=allreduce, backend=backend,
             spec_tokens=spec_tokens if spec_method is not None else 0, ngram_min=ngram_min, ngram_max=ngram_max,
+            int_activations=int_activations,
         )
         if torchrun:
             from shardwise.runtime.peer_watch import torchrun_group

@@ -73,6 +73,7 @@ Q8_PATHS = ("int8", "int8_pairs")
 _kernel = None
 _paths: dict[tuple[int, int], tuple[str, bool]] = {}
 _q8_pairs: dict[int, bool] = {}
+_chosen_activations: str | None = None
 
 
 def runs_as_gemm(rows: torch.Tensor) -> bool:
@@ -96,15 +97,29 @@ def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False) -> tuple
 def activations() -> str:
     """How rows meet 4-bit integer weights in the one-row kernel: ``float`` (as they are, every product exact) or
     ``int8`` — each 32-block of a row rounded to int8 with its own float32 step (max|x| / 127), llama.cpp's Q4_0 x Q8_0
-    arithmetic (``csrc/int_matmul_q8.h``; MXFP4 experts too, as its MXFP4 x Q8_0); from ``SHARDWISE_INT_ACTIVATIONS``,
-    float unless set. int8 needs AVX-512 VNNI; weights it does not fit (rows not a multiple of 128 wide:
-    ``IntWeight.takes_int8_rows``) and passes of ``GEMM_ROWS`` or more keep float rows."""
-    chosen = os.environ.get("SHARDWISE_INT_ACTIVATIONS", "").strip().lower() or "float"
-    if chosen not in ACTIVATIONS:
-        raise ShardwiseError(f"SHARDWISE_INT_ACTIVATIONS={chosen!r}: set it to one of {', '.join(ACTIVATIONS)}, or unset it")
-    if chosen == "int8" and not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags():
-        raise ShardwiseError("SHARDWISE_INT_ACTIVATIONS=int8 needs a CPU with AVX-512 VNNI (this one lacks it): unset it")
-    return chosen
+    arithmetic (``csrc/int_matmul_q8.h``; MXFP4 experts too, as its MXFP4 x Q8_0). Set for this process by
+    ``set_activations`` (``run`` / ``serve --int-activations``), else ``SHARDWISE_INT_ACTIVATIONS``, float unless set.
+    int8 needs AVX-512 VNNI; weights it does not fit (rows not a multiple of 128 wide: ``IntWeight.takes_int8_rows``)
+    and passes of ``GEMM_ROWS`` or more keep float rows."""
+    if _chosen_activations is not None:
+        return _chosen_activations
+    return check_activations(os.environ.get("SHARDWISE_INT_ACTIVATIONS", "").strip().lower() or "float",
+                             "SHARDWISE_INT_ACTIVATIONS")
+
+
+def check_activations(value: str, name: str) -> str:
+    """``value`` if it is one of ``ACTIVATIONS`` that this CPU runs; else a one-line error naming ``name``."""
+    if value not in ACTIVATIONS:
+        raise ShardwiseError(f"{name} {value!r}: use one of {', '.join(ACTIVATIONS)}")
+    if value == "int8" and not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags():
+        raise ShardwiseError(f"{name} int8 needs a CPU with AVX-512 VNNI (this one lacks it): use float")
+    return value
+
+
+def set_activations(value: str) -> None:
+    """``activations()`` for the rest of this process (a rank's ``--int-activations``), checked first."""
+    global _chosen_activations
+    _chosen_activations = check_activations(value, "--int-activations")
 
 
 def q8_pairs() -> bool:

@@ -23,6 +23,7 @@ import torch
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, local_experts, rank_param_counts
+from shardwise.runtime import int_matmul
 
 if TYPE_CHECKING:
     from shardwise.runtime.speculative import SpecParams
@@ -50,6 +51,7 @@ class RunRequest:
     spec: SpecParams | None = None  # speculative decoding (drafter, k); the report gets "speculative"
     log: bool = False  # rank 0 prints one status line to stderr when generation starts
     host_probe: int = 0  # bench: generate this many times, timing the probe's reference blocks before, between and after
+    int_activations: str | None = None  # rows 4-bit weights multiply (int_matmul.activations); None: the environment's
 
 
 def slow_rank_hook(rank: int) -> float:
@@ -73,6 +75,8 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
     from shardwise.runtime.model import ShardedCausalLM
 
     torch.set_num_threads(request.threads)
+    if request.int_activations is not None:
+        int_matmul.set_activations(request.int_activations)
     if request.backend == "nccl":  # every tensor of the run on this rank's GPU
         from shardwise.runtime.rendezvous import RankContext
 
@@ -128,6 +132,7 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
         "experts": list(local_experts(spec.moe.num_experts, plan, rank)) if spec.moe is not None else [],
         "trace": tracer.export() if tracer is not None else None,
         "speculative": speculative,
+        "int_activations": int_matmul.activations(),
         **({"host_probe": host} if host is not None else {}),
     }
 

@@ -46,6 +46,7 @@ class ServeRequest:
     spec_tokens: int = 0  # prompt-lookup drafts per verify pass for a greedy sequence alone (0: off)
     ngram_min: int = 1
     ngram_max: int = 3
+    int_activations: str | None = None  # rows 4-bit weights multiply (int_matmul.activations); None: the environment's
 
 
 def load_model(rank: int, request: ServeRequest):
@@ -53,8 +54,11 @@ def load_model(rank: int, request: ServeRequest):
     from shardwise.plan import ParallelPlan
     from shardwise.runtime.layers import set_allreduce
     from shardwise.runtime.loader import load_shard, load_spec
+    from shardwise.runtime.int_matmul import set_activations
     from shardwise.runtime.model import ShardedCausalLM
 
+    if request.int_activations is not None:
+        set_activations(request.int_activations)
     if request.backend == "nccl":
         from shardwise.runtime.rendezvous import RankContext
 
