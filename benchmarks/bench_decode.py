@@ -42,8 +42,8 @@ All figures come from this one run on this machine, so the ratios are what to re
    ``--lm-head``: the LM head quantized too, as llama.cpp's files hold theirs — Q8_0's in Q8_0, Q4_0's
    in Q6_K; the embedding stays float, one row read per token) at tp=1, activations in ``--dtype``:
    decode tok/s, bytes per token and share of their own roofline, next to llama.cpp's Q8_0 / Q4_0; and
-   ``int4-q8``: int4 with ``SHARDWISE_INT_ACTIVATIONS=int8`` (rows rounded to int8 per 32-block in the kernel,
-   llama.cpp's own Q4_0 arithmetic: Q4_0's ratio is taken against it), where the CPU has AVX-512 VNNI.
+   ``int8-q8`` / ``int4-q8``: both with ``SHARDWISE_INT_ACTIVATIONS=int8`` (rows rounded to int8 per 32-block in the
+   kernel, llama.cpp's own Q8_0 / Q4_0 arithmetic: its ratios are taken against them), where the CPU has AVX-512 VNNI.
 6. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each; all-reduce through shared
    memory, ``shm``, in every round right after tp=1 and held against that round's tp=1, and gloo's
    ``builtin`` once) and a traced tp=2 run
@@ -222,12 +222,12 @@ def shardwise_tp1(folder: Path, prompt: list[int], tokens: int, threads: int, dt
 def shardwise_int(folder: Path, fmt: str, prompt: list[int], tokens: int, threads: int, dtype: str,
                   probe: ReadProbe) -> tuple[tuple[float, float], int]:
     """((decode tok/s, its moment's read GB/s), weight bytes one token reads) of the checkpoint quantized to
-    ``fmt`` (``int4-q8``: int4 run with ``SHARDWISE_INT_ACTIVATIONS=int8``), LM head included (written once beside
-    the float one), run at tp=1 with ``dtype`` activations."""
-    if fmt == "int4-q8":
+    ``fmt`` (``int8-q8`` / ``int4-q8``: int8 / int4 run with ``SHARDWISE_INT_ACTIVATIONS=int8``), LM head included
+    (written once beside the float one), run at tp=1 with ``dtype`` activations."""
+    if fmt.endswith("-q8"):
         os.environ["SHARDWISE_INT_ACTIVATIONS"] = "int8"
         try:
-            return shardwise_int(folder, "int4", prompt, tokens, threads, dtype, probe)
+            return shardwise_int(folder, fmt.removesuffix("-q8"), prompt, tokens, threads, dtype, probe)
         finally:
             del os.environ["SHARDWISE_INT_ACTIVATIONS"]
     from shardwise.plan import ParallelPlan
@@ -304,7 +304,7 @@ def main() -> None:
     peer: dict[str, list[tuple[float, float]]] = {fmt: [] for fmt in ggufs}
     unrepacked = {fmt for fmt, path in ggufs.items() if not repacks_safely(path, prompt, args.tokens, args.threads)}
     q8 = {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu_flags()  # where int8 rows (int_matmul.activations) run
-    ints: dict[str, list[tuple[float, float]]] = {"int8": [], "int4": []} | ({"int4-q8": []} if q8 else {})
+    ints: dict[str, list[tuple[float, float]]] = {"int8": [], "int4": []} | ({"int8-q8": [], "int4-q8": []} if q8 else {})
     int_bytes: dict[str, int] = {}
     probe, half = ReadProbe(), max(1, args.threads // 2)
     shm: list[float] = []  # tp=2 (--allreduce shm) tok/s per round, run right after that round's tp=1
@@ -346,10 +346,11 @@ def main() -> None:
 
     def row_path(fmt: str) -> str:
         """How the int kernel takes this run's rows here (this machine's measured choice)."""
-        if fmt == "int4-q8":
-            two = ", two weight rows at a time (this machine's measured choice)" if int_matmul.q8_pairs() else ""
-            return f" rounded to int8 per 32-block in the kernel (SHARDWISE_INT_ACTIVATIONS=int8: llama.cpp's Q4_0 arithmetic{two})"
-        bits = 8 if fmt == "int8" else 4
+        bits = 8 if fmt.startswith("int8") else 4
+        if fmt.endswith("-q8"):
+            two = ", two weight rows at a time (this machine's measured choice)" if int_matmul.q8_pairs(bits) else ""
+            return (f" rounded to int8 per 32-block in the kernel (SHARDWISE_INT_ACTIVATIONS=int8: llama.cpp's "
+                    f"{'Q8_0' if bits == 8 else 'Q4_0'} arithmetic{two})")
         path = int_matmul.row_path(bits) if args.dtype == "bfloat16" else "float32_pairs" if int_matmul.pairs(bits) else "float32"
         how = "as they are (vdpbf16ps)" if path.startswith("bfloat16") else "as float32"
         return f" ({how}{', two weight rows at a time,' if path.endswith('_pairs') else ''} in the kernel: this machine's measured choice)"
@@ -368,7 +369,7 @@ def main() -> None:
               f"{100 * max(rates) * int_bytes[fmt] / (read * 1e9):.0f}% of the best sample's roofline, "
               f"{paired_shares(runs, int_bytes[fmt])}), {args.dtype} activations{row_path(fmt)}")
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
-    int_of = {"Q8_0": "int8", "Q4_0": "int4-q8" if q8 else "int4"}  # Q4_0 rounds rows to Q8_0 as int4-q8 does
+    int_of = {"Q8_0": "int8-q8", "Q4_0": "int4-q8"} if q8 else {"Q8_0": "int8", "Q4_0": "int4"}  # llama.cpp rounds rows to Q8_0
     for fmt, runs in peer.items():
         nbytes, rate = gguf_token_bytes(ggufs[fmt]) + cache_bytes(args.prompt, args.tokens, 2), max(r for r, _ in runs)
         if dtype_of.get(fmt) == args.dtype:

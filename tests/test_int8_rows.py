@@ -1,5 +1,5 @@
-"""4-bit weights against rows rounded to int8 (``SHARDWISE_INT_ACTIVATIONS=int8``: llama.cpp's Q4_0 x Q8_0
-arithmetic, ``csrc/int_matmul_q8.h``): the kernel equals an independent reference of that arithmetic, a row's
+"""int8 / int4 / MXFP4 weights against rows rounded to int8 (``SHARDWISE_INT_ACTIVATIONS=int8``: llama.cpp's Q8_0 / Q4_0 /
+MXFP4 x Q8_0 arithmetic, ``csrc/int_matmul_q8.h``): the kernel equals an independent reference of that arithmetic, a row's
 result does not depend on the rows beside it or on the two-row schedule, a model's output stays within the rounding's
 own bound of the float-row one, speculative decoding still equals plain decoding, and bad settings are named."""
 
@@ -68,8 +68,27 @@ def test_kernel_is_the_q8_arithmetic_and_row_invariant(rows, width, group, m, mx
         assert torch.equal(op(x[i : i + 1].contiguous(), q, scale, 4, group, None, False, True), y[i : i + 1])
     x[1 % m, 5] = float("nan")
     assert op(x, q, scale, 4, group, None, False, True)[1 % m].isnan().all()  # a NaN is not rounded away
-    with pytest.raises(RuntimeError, match="q8 takes 4-bit weights"):
-        op(x, q.view(torch.int8).repeat(1, 2), torch.ones(rows, width // group), 8, group, None, False, True)
+    with pytest.raises(RuntimeError, match="q8 takes rows a multiple of 128"):
+        op(x, q.view(torch.int8).repeat(1, 2), torch.ones(rows, width // 32), 8, 32, None, False, True)
+
+
+@pytest.mark.parametrize("row_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width", "group", "m"), [(37, 256, 256, 1), (130, 2048, 2048, 3), (9, 384, 64, 2),
+                                                            (65, 512, 128, 1)])
+def test_int8_weights_take_the_q8_arithmetic_too(rows, width, group, m, row_dtype):
+    """int8 weights (per channel or in groups of k*64) against int8 rows: llama.cpp's Q8_0 x Q8_0 arithmetic."""
+    gen = torch.Generator().manual_seed(rows * 7 + width + group)
+    q = torch.randint(-127, 128, (rows, width), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(rows, width // group, generator=gen) * 0.01 + 0.001).to(row_dtype)
+    x = (torch.randn(m, width, generator=gen) * torch.logspace(-2, 1, width)).to(row_dtype)
+    op = int_matmul.kernel()
+    y = op(x, q, scale, 8, group, None, False, True)
+    expected = _rounded(x) @ (q.double() * scale.double().repeat_interleave(group, dim=1)).T
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    assert torch.equal(op(x, q, scale, 8, group, None, True, True), y)
+    for i in range(m):
+        assert torch.equal(op(x[i : i + 1].contiguous(), q, scale, 8, group, None, False, True), y[i : i + 1])
+    assert not torch.equal(y, op(x, q, scale, 8, group, None, False, False))  # rounded: not the float rows' sums
 
 
 def _weight(width: int = 512, rows: int = 48) -> IntWeight:
@@ -125,11 +144,12 @@ def test_run_and_serve_take_the_setting(four_bit, monkeypatch):
         assert proc.returncode == 2 and proc.stderr.strip() == "error: --int-activations 'int4': use one of float, int8"
 
 
-def test_pairs_choice_is_measured_once_and_followed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pairs_choice_is_measured_once_and_followed(tmp_path, monkeypatch, bits):
     monkeypatch.setattr(int_matmul, "build_dir", lambda: tmp_path)
     monkeypatch.setattr(int_matmul, "_q8_pairs", {})
-    path = tmp_path / f"int8-rows-choice-4bit-{torch.get_num_threads()}t.json"
-    chosen = int_matmul.q8_pairs()
+    path = tmp_path / f"int8-rows-choice-{bits}bit-{torch.get_num_threads()}t.json"
+    chosen = int_matmul.q8_pairs(bits)
     if path.exists():  # measured without other work beside it: stored
         stored = json.loads(path.read_text())
         assert all(stored[name] > 0.5 for name in int_matmul.Q8_PATHS), stored  # GB/s of packed weights
@@ -137,19 +157,20 @@ def test_pairs_choice_is_measured_once_and_followed(tmp_path, monkeypatch):
     for choice in int_matmul.Q8_PATHS:
         path.write_text(json.dumps({"int8": 1.0, "int8_pairs": 1.0, "cpu_share": 1.0, "choice": choice}))
         int_matmul._q8_pairs.clear()
-        assert int_matmul.q8_pairs() == (choice == "int8_pairs")
+        assert int_matmul.q8_pairs(bits) == (choice == "int8_pairs")
 
 
 @pytest.fixture(scope="module")
 def four_bit(tmp_path_factory) -> dict[str, object]:
-    """A llama quantized to int4 (LM head too) and a gpt-oss with MXFP4 experts, rows 256 wide."""
+    """A llama quantized to int4 and to int8 (LM heads too) and a gpt-oss with MXFP4 experts, rows 256 wide."""
     root = tmp_path_factory.mktemp("q8")
     wide = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64}
     src = make_checkpoint("llama-3.1-8b", "tiny", root / "f", seed=21, overrides=wide)
     quantize_checkpoint(src, root / "int4", "int4", compare=False, lm_head=True)
+    quantize_checkpoint(src, root / "int8", "int8", compare=False, lm_head=True)
     mxfp4 = make_checkpoint("gpt-oss-20b", "tiny", root / "mxfp4", seed=22, quant="mxfp4",
                             overrides=wide | {"intermediate_size": 256})
-    return {"int4": root / "int4", "mxfp4": mxfp4}
+    return {"int4": root / "int4", "int8": root / "int8", "mxfp4": mxfp4}
 
 
 def _model(folder, dtype=torch.float32, max_step_tokens: int = 1) -> ShardedCausalLM:
@@ -158,13 +179,14 @@ def _model(folder, dtype=torch.float32, max_step_tokens: int = 1) -> ShardedCaus
     return model
 
 
-@pytest.mark.parametrize(("kind", "dtype"), [("int4", torch.float32), ("int4", torch.bfloat16), ("mxfp4", torch.bfloat16)])
+@pytest.mark.parametrize(("kind", "dtype"), [("int4", torch.float32), ("int4", torch.bfloat16), ("int8", torch.bfloat16),
+                                           ("mxfp4", torch.bfloat16)])
 def test_model_runs_on_int8_rows_and_speculation_still_equals_plain(four_bit, kind, dtype, monkeypatch):
     prompt = [3, 17, 101, 42, 7, 250, 11, 64, 3, 17, 101]
     folder = four_bit[kind]
     model = _model(folder, dtype)
     weights = [m for m in model.modules() if isinstance(m, IntWeight)]
-    assert kind == "mxfp4" or (weights and all(w.takes_int8_rows for w in weights))  # all int4 products take them
+    assert kind == "mxfp4" or (weights and all(w.takes_int8_rows for w in weights))  # all int products take them
     monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "float")
     floats = generate(model, prompt, 12, SamplingParams(), eos=set(), exact=True)
     monkeypatch.setenv("SHARDWISE_INT_ACTIVATIONS", "int8")

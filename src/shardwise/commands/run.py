@@ -13,8 +13,8 @@ import typer
 from shardwise.errors import ShardwiseError
 from shardwise.runtime import DEFAULT_TIMEOUT_S
 
-INT_ACTIVATIONS_HELP = ("rows 4-bit weights (int4, MXFP4) multiply: float (as they are, the default) or int8 (each "
-                        "32-block rounded to int8 and multiplied with AVX-512 VNNI: llama.cpp's Q4_0 / MXFP4 x Q8_0)")
+INT_ACTIVATIONS_HELP = ("rows int8 / int4 / MXFP4 weights multiply: float (as they are, the default) or int8 (each "
+                        "32-block rounded to int8 and multiplied with AVX-512 VNNI: llama.cpp's Q8_0 / Q4_0 / MXFP4 x Q8_0)")
 
 
 

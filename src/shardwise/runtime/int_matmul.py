@@ -67,12 +67,12 @@ WIDEN_MARGIN = 1.05
 ROW_PATHS = ("bfloat16", "bfloat16_pairs", "float32", "float32_pairs")
 """How bfloat16 rows may reach the kernel (``row_path``)."""
 ACTIVATIONS = ("float", "int8")
-"""What rows 4-bit weights multiply (``activations``)."""
+"""What rows int8 / int4 / MXFP4 weights multiply (``activations``)."""
 Q8_PATHS = ("int8", "int8_pairs")
 """How int8 rows run: one weight row per pass or two (``q8_pairs``)."""
 _kernel = None
 _paths: dict[tuple[int, int], tuple[str, bool]] = {}
-_q8_pairs: dict[int, bool] = {}
+_q8_pairs: dict[tuple[int, int], bool] = {}
 _chosen_activations: str | None = None
 
 
@@ -88,16 +88,16 @@ def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False) -> tuple
     ``pairs`` argument for them: two weight rows at a time where this machine measured that faster). With
     ``int8_rows`` (the kernel's q8: it rounds float32 / bfloat16 rows itself) as they are, and ``q8_pairs``."""
     if int8_rows and rows.dtype in (torch.float32, torch.bfloat16):
-        return rows.contiguous(), q8_pairs()
+        return rows.contiguous(), q8_pairs(bits)
     if rows.dtype == torch.bfloat16 and row_path(bits).startswith("bfloat16"):
         return rows.contiguous(), row_path(bits) == "bfloat16_pairs"
     return rows.float().contiguous(), pairs(bits)
 
 
 def activations() -> str:
-    """How rows meet 4-bit integer weights in the one-row kernel: ``float`` (as they are, every product exact) or
-    ``int8`` — each 32-block of a row rounded to int8 with its own float32 step (max|x| / 127), llama.cpp's Q4_0 x Q8_0
-    arithmetic (``csrc/int_matmul_q8.h``; MXFP4 experts too, as its MXFP4 x Q8_0). Set for this process by
+    """How rows meet int8 / int4 / MXFP4 weights in the one-row kernel: ``float`` (as they are, every product exact)
+    or ``int8`` — each 32-block of a row rounded to int8 with its own float32 step (max|x| / 127), llama.cpp's Q4_0 /
+    Q8_0 / MXFP4 x Q8_0 arithmetic (``csrc/int_matmul_q8.h``). Set for this process by
     ``set_activations`` (``run`` / ``serve --int-activations``), else ``SHARDWISE_INT_ACTIVATIONS``, float unless set.
     int8 needs AVX-512 VNNI; weights it does not fit (rows not a multiple of 128 wide: ``IntWeight.takes_int8_rows``)
     and passes of ``GEMM_ROWS`` or more keep float rows."""
@@ -122,18 +122,18 @@ def set_activations(value: str) -> None:
     _chosen_activations = check_activations(value, "--int-activations")
 
 
-def q8_pairs() -> bool:
-    """Whether int8 rows (``activations``) run two 4-bit weight rows per pass (the kernel's ``pairs``; the same bits as
-    one at a time), as measured faster here at torch's current thread count (``measure_rows`` over ``Q8_PATHS``,
-    stored beside the build). Xeon VM (AMX, 2 vCPUs), the 2048x10 llama's int4 checkpoint in bfloat16, 6 rounds
-    shuffled in one process: float rows 55.9 tok/s, int8 rows 63.8, two at a time 67.7."""
-    threads = torch.get_num_threads()
-    if threads not in _q8_pairs:
-        path = build_dir() / f"int8-rows-choice-4bit-{threads}t.json"
-        record = kernel_choice.stored(path, lambda: measure_rows(4, Q8_PATHS), lambda rates: max(Q8_PATHS, key=rates.get),
+def q8_pairs(bits: int) -> bool:
+    """Whether int8 rows (``activations``) run two ``bits``-bit weight rows per pass (the kernel's ``pairs``; the same
+    bits as one at a time), as measured faster here at torch's current thread count (``measure_rows`` over
+    ``Q8_PATHS``, stored beside the build). Xeon VM (AMX, 2 vCPUs), the 2048x10 llama's int4 checkpoint in bfloat16,
+    6 rounds shuffled in one process: float rows 55.9 tok/s, int8 rows 63.8, two at a time 67.7."""
+    key = (bits, torch.get_num_threads())
+    if key not in _q8_pairs:
+        path = build_dir() / f"int8-rows-choice-{bits}bit-{key[1]}t.json"
+        record = kernel_choice.stored(path, lambda: measure_rows(bits, Q8_PATHS), lambda rates: max(Q8_PATHS, key=rates.get),
                                       lambda record: record["cpu_share"] >= kernel_choice.CONTENDED_SHARE, Q8_PATHS)
-        _q8_pairs[threads] = record["choice"] == "int8_pairs"
-    return _q8_pairs[threads]
+        _q8_pairs[key] = record["choice"] == "int8_pairs"
+    return _q8_pairs[key]
 
 
 def row_path(bits: int) -> str:
@@ -258,9 +258,10 @@ class IntWeight(nn.Module):
         self.scale = nn.Parameter(scale, requires_grad=False)
         self.bits, self.group = bits, group
         self.in_features = q.shape[1] * 8 // bits
-        self.takes_int8_rows = bits == 4 and self.in_features % 128 == 0 and (group in (32, 64) or group % 128 == 0)
-        """Whether ``activations()`` = int8 applies to this weight (the kernel's q8 path: 4-bit integers in whole
-        128-weight lines)."""
+        self.takes_int8_rows = self.in_features % 128 == 0 and (
+            group in (32, 64) or group % 128 == 0 if bits == 4 else group == self.in_features or group % 64 == 0)
+        """Whether ``activations()`` = int8 applies to this weight (the kernel's q8 path: rows of whole 128-weight
+        lines; int4 in groups of 32, 64 or k*128, int8 per channel or in groups of k*64)."""
 
     @classmethod
     def from_stored(cls, packed: torch.Tensor, scale: torch.Tensor, bits: int) -> IntWeight:

@@ -338,8 +338,17 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
   [[maybe_unused]] const bool lines = bits == 4 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0);
   if (q8) {  // x rounded to int8 per 32-block (int_matmul_q8.h)
-    TORCH_CHECK(lines, "q8 takes 4-bit weights (int4 or MXFP4), rows a multiple of 128 wide, groups of 32, 64 or k*128");
+    TORCH_CHECK(lines || (bits == 8 && K % 128 == 0 && (group == K || group % 64 == 0)), "q8 takes rows a multiple of 128 "
+                "wide against int4 / MXFP4 weights in groups of 32, 64 or k*128, or int8 ones per channel or in groups of k*64");
 #if defined(SHARDWISE_Q8)
+    if (bits == 8) {
+      const std::vector<Q8Line8> xc = x_in.scalar_type() == at::kFloat ? q8_rows8(x_in.data_ptr<float>(), M, K)
+          : q8_rows8(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K);
+      sum_rows(y, M, N, row_bytes, G, pairs, q.data_ptr<int8_t>(), K, [&](auto R, const int8_t* const* rows, const int64_t* s0, int64_t m, float* out) {
+        dot8_q8<decltype(R)::value>(rows, xc.data() + m * (K / 128), K, group, sp, sk, s0, out);
+      });
+      return y;
+    }
     const int offset = sk == kE8M0 ? 12 : 8;
     const float unit = sk == kE8M0 ? .5f : 1.f;
     const std::vector<Q8Chunk> xc = x_in.scalar_type() == at::kFloat ? q8_rows(x_in.data_ptr<float>(), M, K, offset, unit)
