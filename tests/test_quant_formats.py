@@ -22,6 +22,7 @@ EXPECTED_BITS = {
     "q4_0": 4.5,
     "q8_0": 8.5,
     "mxfp8": 8.25,
+    "mlx-mixed-3.6": 3.578,  # stated by the model card it comes from (not derived: a per-tensor mix)
     # GGUF file types: the default type's bits (ggml-common.h); a model's own mix is quant.gguf_mix's
     "gguf-q2_k": 84 * 8 / 256, "gguf-q3_k_s": 110 * 8 / 256, "gguf-q3_k_m": 110 * 8 / 256,
     "gguf-q3_k_l": 110 * 8 / 256, "gguf-q4_0": 4.5, "gguf-q4_k_s": 4.5, "gguf-q4_k_m": 4.5, "gguf-q5_k_s": 5.5,

@@ -157,6 +157,16 @@ _FORMATS = (
         f"{_GGML}, struct block_q8_0",
     ),
     QuantFormat(
+        "mlx-mixed-3.6",
+        3.578,
+        64,
+        32,
+        "MLX mixed-precision quantization (mlx_lm.convert --quant-predicate: most matrices 3-bit, sensitive ones "
+        "4-6-bit; group-64 fp16 scale and bias): 3.578 bits per weight over the model as its card states",
+        "https://huggingface.co/spicyneuron/Kimi-K2.6-MLX-3.3bit README, 'Benchmarks' table, 3.6-bit column "
+        "(stated bits per weight 3.578)",
+    ),
+    QuantFormat(
         "mxfp8",
         8 + 8 / 32,
         32,
