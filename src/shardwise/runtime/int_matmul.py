@@ -29,6 +29,12 @@ exactly the checkpoint's bytes (``bits/8 + scale bytes / group`` per weight), an
 row in one fixed order: a row's result does not depend on how many rows share the call, so a
 k+1-row speculative verify equals k+1 one-row steps bit for bit (``runtime.exact``).
 
+Opt-in, rows may instead be rounded to int8 per 32-block inside the kernel and multiplied as integers (``activations``:
+``run`` / ``serve --int-activations int8``; llama.cpp's Q8_0 / Q4_0 / MXFP4 x Q8_0 arithmetic, ``csrc/int_matmul_q8.h``):
+not weight-only any more — x is off by up to half a step of 1/127 of its block's largest element — but one vpdpbusd
+multiplies 64 weights, so the int4 kernel stops being bound by its instructions (Xeon VM, the 2048x10 llama's int4
+checkpoint in bfloat16: 55.9 -> 67.7 tok/s; int8 40.0 -> 44.0).
+
 It is compiled on first use (``runtime.cpp_ops``) for the CPU it runs on (AVX-512, AVX2+FMA, or
 portable C++); ``at::parallel_for`` splits the rows over torch's own threads.
 
@@ -194,8 +200,8 @@ def decide_rows(rates: dict[str, float]) -> str:
 
 def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
     """GB/s of packed weight bytes (and scales) the kernel streams for one bfloat16 row along each of ``names``
-    (``ROW_PATHS``, widening timed with the product; or ``Q8_PATHS``, rounding to int8 timed with it), best of ``rounds`` over ``nbytes`` of ``bits``-bit weights
-    (per channel for 8 bits, groups of 32 for 4, bfloat16 scales) shaped as a decoder's (``gemv.MEASURE_SHAPES``),
+    (``ROW_PATHS``, widening timed with the product; or ``Q8_PATHS``, rounding to int8 timed with it), best of
+    ``rounds`` over ``nbytes`` of ``bits``-bit weights (per channel for 8 bits, groups of 32 for 4, bfloat16 scales) shaped as a decoder's (``gemv.MEASURE_SHAPES``),
     in huge pages where the host gives them, the paths taking turns weight by weight
     (``kernel_choice.side_by_side``); and ``cpu_share``."""
     shape_bytes = [(n, k, n * k * bits // 8, n * (1 if bits == 8 else k // 32) * 2) for n, k in gemv.MEASURE_SHAPES]
