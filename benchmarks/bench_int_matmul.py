@@ -5,7 +5,9 @@
 
 Every kernel multiplies the same random weight (quantized the same way for the integer ones) by
 ``--rows`` activation rows; the figure is weight bytes read per second (GB/s) and time per call,
-best of 5 passes of 50 calls, so the ratios are what to read. Torch's kernels:
+best of 5 passes of 50 calls, so the ratios are what to read. Where the CPU has AVX-512 VNNI, shardwise's int8 / int4
+also run on rows rounded to int8 per 32-block (``--int-activations int8``: llama.cpp's Q8_0 / Q4_0 x Q8_0 arithmetic).
+Torch's kernels:
 ``_weight_int8pack_mm`` (int8 per channel, activations and scales in the activation dtype) and
 ``_weight_int4pack_mm_for_cpu`` (int4 groups of 32 with a bfloat16 scale and zero point per group).
 """
@@ -19,6 +21,7 @@ import time
 import torch
 
 from shardwise.quant import int_codec
+from shardwise.runtime import cpp_ops, int_matmul
 from shardwise.runtime.int_matmul import IntWeight
 
 
@@ -31,6 +34,12 @@ def best_seconds(fn, calls: int = 50, passes: int = 5) -> float:
             fn()
         best = min(best, (time.perf_counter() - t0) / calls)
     return best
+
+
+def on_int8_rows(weight: IntWeight, x: torch.Tensor) -> torch.Tensor:
+    """``weight(x)`` with x rounded to int8 per 32-block in the kernel (its q8 argument: ``--int-activations int8``)."""
+    rows, two = int_matmul.kernel_rows(x, weight.bits, True)
+    return int_matmul.kernel()(rows, weight.q, weight.scale, weight.bits, weight.group, x.dtype, two, True)
 
 
 def main() -> None:
@@ -62,6 +71,12 @@ def main() -> None:
              (lambda wd=wd, x=x: torch.mv(wd, x[0])) if one_row else (lambda wd=wd, x=x: torch.nn.functional.linear(x, wd))),
             (f"shardwise int8, {name} x", int8.q.numel() + int8.scale.numel() * 2, lambda x=x: int8(x)),
             (f"shardwise int4 g32, {name} x", int4.q.numel() + int4.scale.numel() * 2, lambda x=x: int4(x)),
+        ]
+        if {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags() and args.inp % 128 == 0:
+            for weight, label in ((int8, "int8"), (int4, "int4 g32")):
+                cases.append((f"shardwise {label}, {name} x as int8", weight.q.numel() + weight.scale.numel() * 2,
+                              lambda x=x, weight=weight: on_int8_rows(weight, x)))
+        cases += [
             (f"torch _weight_int8pack_mm, {name} x", q8t.numel() + s8t.numel() * x.element_size(),
              lambda x=x, dtype=dtype: torch._weight_int8pack_mm(x, q8t, s8t.to(dtype))),
         ]
