@@ -308,6 +308,8 @@ def main() -> None:
     int_bytes: dict[str, int] = {}
     probe, half = ReadProbe(), max(1, args.threads // 2)
     shm: list[float] = []  # tp=2 (--allreduce shm) tok/s per round, run right after that round's tp=1
+    # one-thread ranks measure their kernel choices on first use (once per build of the kernels): not in a timed round
+    shardwise_tp2(folder, prompt, 2, half, False, args.dtype, "shm")
     for i in range(args.rounds):
         if i:
             samples.append(stream_gbps(args.threads))
