@@ -48,6 +48,8 @@ All figures come from this one run on this machine, so the ratios are what to re
    memory, ``shm``, in every round right after tp=1 and held against that round's tp=1, and gloo's
    ``builtin`` once) and a traced tp=2 run
    whose per-rank compute / comm / wait shares explain the difference to tp=1.
+7. **Targets**: issue #17's, each with its value, "holds" or by how much it is short (roofline shares: the best run's
+   against the bandwidth of its own moment, the best sample's beside it).
 
 The checkpoint (llama architecture, hidden 2048, 10 layers, 16 heads / 4 KV heads,
 intermediate 5632, vocab 32000, float32: 582 M parameters, 2.3 GB; 1.2 GB loaded as
@@ -171,10 +173,14 @@ def around(probe: ReadProbe, run) -> tuple[float, float]:
     return rate, max(before, probe())
 
 
+def moment_shares(runs: list[tuple[float, float]], nbytes: int) -> list[float]:
+    """Each run's share of the roofline of its own moment: tok/s x ``nbytes`` per token / that moment's GB/s."""
+    return [rate * nbytes / (gbps * 1e9) for rate, gbps in runs]
+
+
 def paired_shares(runs: list[tuple[float, float]], nbytes: int) -> str:
-    """Each run's share of the roofline of its own moment (tok/s x ``nbytes`` per token / that moment's GB/s)
-    and the best of them, as a line's tail."""
-    shares = [100 * rate * nbytes / (gbps * 1e9) for rate, gbps in runs]
+    """Each run's share of the roofline of its own moment (``moment_shares``) and the best of them, as a line's tail."""
+    shares = [100 * share for share in moment_shares(runs, nbytes)]
     return (f"{max(shares):.0f}% against the bandwidth of its moment (each run: "
             f"{', '.join(f'{p:.0f}% at {g:.1f} GB/s' for p, (_, g) in zip(shares, runs))})")
 
@@ -283,6 +289,16 @@ def shardwise_tp2(folder: Path, prompt: list[int], tokens: int, threads: int, tr
     return launch_local(run_rank, 2, args=(request,), run_timeout_s=3600)
 
 
+def verdicts(label: str, measured: dict[str, tuple[float, float, str]]) -> list[str]:
+    """Issue #17's targets as this run measured them: for each name, (value, target, a note) — 'holds', or by how much
+    it is short."""
+    lines = [f"targets (issue #17), {label}; roofline shares are the best run's against the bandwidth of its own moment:"]
+    for name, (value, target, note) in measured.items():
+        verdict = "holds" if value >= target else f"short by {100 * (1 - value / target):.1f}%"
+        lines.append(f"  {name:30s} {value:5.2f} (target {target:g}): {verdict}{note}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and activations")
@@ -372,14 +388,23 @@ def main() -> None:
               f"{paired_shares(runs, int_bytes[fmt])}), {args.dtype} activations{row_path(fmt)}")
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
     int_of = {"Q8_0": "int8-q8", "Q4_0": "int4-q8"} if q8 else {"Q8_0": "int8", "Q4_0": "int4"}  # llama.cpp rounds rows to Q8_0
+    def share(runs: list[tuple[float, float]], nbytes: int) -> tuple[float, float, str]:
+        """(the best run's share of its moment's roofline, target, the best sample's share as a note)."""
+        return max(moment_shares(runs, nbytes)), 0.65 if nbytes == weight_bytes else 0.6, (
+            f" ({max(rate for rate, _ in runs) * nbytes / (read * 1e9):.2f} of the best sample's)")
+
+    targets = {f"{args.dtype} tp=1 / transformers": (best / hf, 1.5, ""), f"{args.dtype} tp=1 / roofline": share(ours, weight_bytes)}
+    targets |= {f"{fmt} / its roofline": share(runs, int_bytes[fmt]) for fmt, runs in ints.items()}
     for fmt, runs in peer.items():
         nbytes, rate = gguf_token_bytes(ggufs[fmt]) + cache_bytes(args.prompt, args.tokens, 2), max(r for r, _ in runs)
         if dtype_of.get(fmt) == args.dtype:
             versus = f"shardwise {args.dtype} / llama.cpp = {best / rate:.2f}x"
+            targets[f"{args.dtype} / llama.cpp {fmt}"] = (best / rate, 1.0, "")
         elif fmt in dtype_of:
             versus = f"shardwise at {fmt}: run --dtype {dtype_of[fmt]}"
         else:
             ratio = max(r for r, _ in ints[int_of[fmt]]) / rate
+            targets[f"{int_of[fmt]} / llama.cpp {fmt}"] = (ratio, 1.0, "")
             versus = f"shardwise {int_of[fmt]} / llama.cpp = {ratio:.2f}x" + (f" ({SHORT_BECAUSE})" if ratio < 1 else "")
         crashed = " [--no-repack: its repacked weights crashed llama.cpp here (repacks_safely)]" if fmt in unrepacked else ""
         print(f"llama.cpp {fmt:5s} {rate:6.2f} tok/s  ({nbytes / 1e9:.2f} GB per token, "
@@ -390,6 +415,8 @@ def main() -> None:
     print(f"shardwise tp=2   {tp2['shm']:6.2f} tok/s  ({half} thread(s) per rank, --allreduce shm; rounds "
           f"{', '.join(f'{x:.2f}' for x in shm)}) = {tp2['shm'] / best:.2f}x tp=1; each round against that round's "
           f"tp=1, run just before it: {', '.join(f'{x / t:.2f}x' for x, (t, _) in zip(shm, ours))}")
+    targets["tp=2 (shm) / tp=1"] = (tp2["shm"] / best, 0.85, "")
+    print("\n".join(verdicts(f"{args.dtype}, {args.threads} thread(s)", targets)))
     from shardwise.runtime.trace import summarize
 
     summary = summarize([r["trace"] for r in traced], "bench-llama-2048x10", 2, 1, traced[0]["tok_per_s"])
