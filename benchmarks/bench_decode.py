@@ -69,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.runtime.cpp_ops import cpu_flags
+from shardwise.runtime.int_matmul import int8_rows_here
 from llama_cpp_peer import SHORT_BECAUSE, gguf_token_bytes, llama_cpp_files, llama_cpp_rate, repacks_safely
 
 CONFIG = {
@@ -319,7 +319,7 @@ def main() -> None:
     exact, theirs = [], []
     peer: dict[str, list[tuple[float, float]]] = {fmt: [] for fmt in ggufs}
     unrepacked = {fmt for fmt, path in ggufs.items() if not repacks_safely(path, prompt, args.tokens, args.threads)}
-    q8 = {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu_flags()  # where int8 rows (int_matmul.activations) run
+    q8 = int8_rows_here()  # where int8 rows (int_matmul.activations) run
     ints: dict[str, list[tuple[float, float]]] = {"int8": [], "int4": []} | ({"int8-q8": [], "int4-q8": []} if q8 else {})
     int_bytes: dict[str, int] = {}
     probe, half = ReadProbe(), max(1, args.threads // 2)
@@ -388,13 +388,14 @@ def main() -> None:
               f"{paired_shares(runs, int_bytes[fmt])}), {args.dtype} activations{row_path(fmt)}")
     dtype_of = {"F32": "float32", "BF16": "bfloat16"}  # llama.cpp formats shardwise runs too
     int_of = {"Q8_0": "int8-q8", "Q4_0": "int4-q8"} if q8 else {"Q8_0": "int8", "Q4_0": "int4"}  # llama.cpp rounds rows to Q8_0
-    def share(runs: list[tuple[float, float]], nbytes: int) -> tuple[float, float, str]:
-        """(the best run's share of its moment's roofline, target, the best sample's share as a note)."""
-        return max(moment_shares(runs, nbytes)), 0.65 if nbytes == weight_bytes else 0.6, (
+    def share(runs: list[tuple[float, float]], nbytes: int, target: float) -> tuple[float, float, str]:
+        """(the best run's share of its moment's roofline, ``target``, the best sample's share as a note)."""
+        return max(moment_shares(runs, nbytes)), target, (
             f" ({max(rate for rate, _ in runs) * nbytes / (read * 1e9):.2f} of the best sample's)")
 
-    targets = {f"{args.dtype} tp=1 / transformers": (best / hf, 1.5, ""), f"{args.dtype} tp=1 / roofline": share(ours, weight_bytes)}
-    targets |= {f"{fmt} / its roofline": share(runs, int_bytes[fmt]) for fmt, runs in ints.items()}
+    targets = {f"{args.dtype} tp=1 / transformers": (best / hf, 1.5, ""),
+               f"{args.dtype} tp=1 / roofline": share(ours, weight_bytes, 0.65)}
+    targets |= {f"{fmt} / its roofline": share(runs, int_bytes[fmt], 0.6) for fmt, runs in ints.items()}
     for fmt, runs in peer.items():
         nbytes, rate = gguf_token_bytes(ggufs[fmt]) + cache_bytes(args.prompt, args.tokens, 2), max(r for r, _ in runs)
         if dtype_of.get(fmt) == args.dtype:

@@ -21,7 +21,7 @@ import time
 import torch
 
 from shardwise.quant import int_codec
-from shardwise.runtime import cpp_ops, int_matmul
+from shardwise.runtime import int_matmul
 from shardwise.runtime.int_matmul import IntWeight
 
 
@@ -72,7 +72,7 @@ def main() -> None:
             (f"shardwise int8, {name} x", int8.q.numel() + int8.scale.numel() * 2, lambda x=x: int8(x)),
             (f"shardwise int4 g32, {name} x", int4.q.numel() + int4.scale.numel() * 2, lambda x=x: int4(x)),
         ]
-        if {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags() and args.inp % 128 == 0:
+        if int_matmul.int8_rows_here() and args.inp % 128 == 0:
             for weight, label in ((int8, "int8"), (int4, "int4 g32")):
                 cases.append((f"shardwise {label}, {name} x as int8", weight.q.numel() + weight.scale.numel() * 2,
                               lambda x=x, weight=weight: on_int8_rows(weight, x)))

@@ -24,7 +24,7 @@ from shardwise.runtime.model import ShardedCausalLM
 from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
 from shardwise.runtime.speculative import speculative_generate
 
-pytestmark = pytest.mark.skipif(not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags(),
+pytestmark = pytest.mark.skipif(not int_matmul.int8_rows_here(),
                                 reason="int8 rows need AVX-512 VNNI")
 
 

@@ -79,7 +79,7 @@ def build_dir(source: str) -> Path:
     beside it), CPU flags, Python and torch version (``$TORCH_EXTENSIONS_DIR`` or torch's default root)."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    flags = next((line for line in _cpu_info() if line.startswith("flags")), "")
+    flags = _flags_line()
     headers = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.h")))
     key = (_CSRC / source).read_bytes() + headers + f"{flags}|{sys.version}|{torch.__version__}".encode()
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
@@ -90,11 +90,13 @@ def build_dir(source: str) -> Path:
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as Linux lists them (``avx512_bf16``, ``amx_tile``, ...); empty where unknown. Read
     once per process."""
-    return frozenset(next((line for line in _cpu_info() if line.startswith("flags")), "").partition(":")[2].split())
+    return frozenset(_flags_line().partition(":")[2].split())
 
 
-def _cpu_info() -> list[str]:
+@functools.cache
+def _flags_line() -> str:
+    """/proc/cpuinfo's first ``flags`` line ('' where unknown), read once per process."""
     try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
-        return []
+        return ""

@@ -95,8 +95,9 @@ def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False) -> tuple
     ``int8_rows`` (the kernel's q8: it rounds float32 / bfloat16 rows itself) as they are, and ``q8_pairs``."""
     if int8_rows and rows.dtype in (torch.float32, torch.bfloat16):
         return rows.contiguous(), q8_pairs(bits)
-    if rows.dtype == torch.bfloat16 and row_path(bits).startswith("bfloat16"):
-        return rows.contiguous(), row_path(bits) == "bfloat16_pairs"
+    path = row_path(bits)
+    if rows.dtype == torch.bfloat16 and path.startswith("bfloat16"):
+        return rows.contiguous(), path == "bfloat16_pairs"
     return rows.float().contiguous(), pairs(bits)
 
 
@@ -117,9 +118,14 @@ def check_activations(value: str, name: str) -> str:
     """``value`` if it is one of ``ACTIVATIONS`` that this CPU runs; else a one-line error naming ``name``."""
     if value not in ACTIVATIONS:
         raise ShardwiseError(f"{name} {value!r}: use one of {', '.join(ACTIVATIONS)}")
-    if value == "int8" and not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags():
+    if value == "int8" and not int8_rows_here():
         raise ShardwiseError(f"{name} int8 needs a CPU with AVX-512 VNNI (this one lacks it): use float")
     return value
+
+
+def int8_rows_here() -> bool:
+    """Whether this CPU runs the kernel's int8 rows (``activations`` = int8): AVX-512 VNNI, VL and BW."""
+    return {"avx512_vnni", "avx512vl", "avx512bw"} <= cpp_ops.cpu_flags()
 
 
 def set_activations(value: str) -> None:
