@@ -38,7 +38,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.runtime import cpp_ops, hugepages, kernel_choice
 from shardwise.runtime.kernel_choice import CONTENDED_SHARE
 
-__all__ = ["applies", "chosen_kernel", "chosen_name", "experts_kernel", "mv", "pairs_faster", "rows_kernel"]
+__all__ = ["applies", "chosen_kernel", "chosen_name", "experts_kernel", "mv", "pairs_faster", "row_product", "rows_kernel"]
 
 SOURCE = "decode_gemv.cpp"
 ROWS_SOURCE = "row_linear.cpp"
@@ -186,8 +186,14 @@ def experts_kernel(dtype: torch.dtype):
 
 def mv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] times the CPU vector ``x`` [in] of the same dtype → [out] in that dtype."""
+    return row_product(weight)(x)
+
+
+def row_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``mv(weight, ·)`` with the product decided now (this process's choice for the weight's dtype), so that a
+    caller running it every step (``runtime.token_step``) skips the per-call checks."""
     if weight.is_contiguous() and weight.dtype in (torch.float32, torch.bfloat16):
         op = chosen_kernel(weight.dtype)
         if op is not None:
-            return op(weight, x.contiguous())
-    return torch.mv(weight, x)
+            return lambda x: op(weight, x.contiguous())
+    return lambda x: torch.mv(weight, x)

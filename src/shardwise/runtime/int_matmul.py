@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -318,6 +319,17 @@ class IntWeight(nn.Module):
             return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, two, q8).view(*x.shape[:-1], self.q.shape[0])
         y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, two, q8)
         return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
+
+    def row_product(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for one contiguous row ``x`` [1, in] of ``dtype`` (float32 or bfloat16) → [1, out] in ``dtype``,
+        with the kernel's row path, pairs and int8 rows decided now (``kernel_rows``, ``activations``): the same call
+        and bits without the per-call checks, for a caller running it every step (``runtime.token_step``)."""
+        q8 = self.takes_int8_rows and activations() == "int8"
+        rows, two = kernel_rows(torch.zeros(1, self.in_features, dtype=dtype), self.bits, q8)
+        op, q, scale, bits, group = kernel(), self.q, self.scale, self.bits, self.group
+        if rows.dtype != dtype:  # widened to float32, as kernel_rows does
+            return lambda x: op(x.float(), q, scale, bits, group, dtype, two, q8)
+        return lambda x: op(x, q, scale, bits, group, dtype, two, q8)
 
     def _dequantized_blocks(self, rows: torch.Tensor) -> torch.Tensor | None:
         """``rows`` [M, in] times the weight, one GEMM per block of dequantized weight rows (``BLOCK_ELEMENTS``),

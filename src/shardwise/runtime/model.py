@@ -43,6 +43,7 @@ from shardwise.runtime.moe import DenseMLP, GptOssMoE, SparseMoE, activation
 from shardwise.runtime.packed_weights import quantization
 from shardwise.runtime.qwen3_5 import GatedAttention, OffsetRMSNorm, build_layer, rotary_dim
 from shardwise.runtime.rms_norm import RMSNorm
+from shardwise.runtime.token_step import token_step
 from shardwise.spec.model import EMBEDDING, LM_HEAD, LayerSpec, ModelSpec, TensorSpec
 
 SLOT_MIXERS = (GQAttention, MLAttention, KimiDeltaAttention, GatedDeltaNet, GatedAttention)
@@ -359,6 +360,7 @@ class ShardedCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "input_projections"):
                 stack_inputs(module)
+        self.__dict__.pop("_token_step", None)  # it bound the weights as they were
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
              slots: list[int] | None) -> torch.Tensor:
@@ -371,6 +373,9 @@ class ShardedCausalLM(nn.Module):
             m = self.model
             h = attn_res_mix(h, blocks, m.output_attn_res_norm, m.output_attn_res_proj, self.spec.rms_norm_eps)
             return m.norm(h)
+        step = token_step(self, h) if slots is None and h.shape[:2] == (1, 1) else None
+        if step is not None:  # one token of one sequence: the layers as bound calls (runtime.token_step)
+            return step(h, positions, rope)
         for layer in self.model.layers:
             h = layer(h, positions, rope, slots)
         return self.model.norm(h)

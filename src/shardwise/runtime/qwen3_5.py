@@ -34,7 +34,7 @@ from shardwise.runtime.layers import (
 )
 from shardwise.runtime.moe import DenseMLP, SparseMoE
 from shardwise.runtime.packed_weights import NONE, Quantization, quantization
-from shardwise.runtime.rms_norm import RMSNorm, rms_norm
+from shardwise.runtime.rms_norm import RMSNorm
 from shardwise.spec.model import LayerSpec, ModelSpec, MoESpec, TensorSpec
 
 FAMILY = "qwen3_5_moe"
@@ -51,8 +51,7 @@ def rotary_dim(spec: ModelSpec) -> int:
 class OffsetRMSNorm(RMSNorm):
     """``((1 + w) · rmsnorm(x.float())).to(dtype)`` (transformers' ``Qwen3_5MoeRMSNorm``)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, offset=True)
+    offset = True
 
 
 class GatedAttention(nn.Module):

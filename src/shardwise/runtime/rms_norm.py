@@ -22,6 +22,8 @@ process), the module with the torch expression -> this module: [1, 1, 2048] bflo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -68,5 +70,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.cast_after_weight = cast_after_weight
 
+    offset = False
+    """Qwen3.5's zero-centred form (``qwen3_5.OffsetRMSNorm``): ``(h * (1 + w)).to(dtype)``."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.cast_after_weight)
+        return rms_norm(x, self.weight, self.eps, self.cast_after_weight, self.offset)
+
+    def bound(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for CPU inputs of ``dtype``, with the compiled op looked up now (the same call), for a caller
+        running it every step (``runtime.token_step``); ``forward`` itself where the op does not apply."""
+        weight, eps, after, offset = self.weight, self.eps, self.cast_after_weight, self.offset
+        if weight.device.type == "cpu" and dtype in _OP_DTYPES and weight.dtype in _OP_DTYPES:
+            op = cpp_ops.optional_op("rms_norm.cpp", "shardwise_norm", "rms_norm")
+            if op is not None:
+                return lambda x: op(x, weight, eps, after, offset)
+        return self.forward
