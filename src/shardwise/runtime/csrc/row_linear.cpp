@@ -15,11 +15,12 @@
 // flight), bfloat16, 600 MB of a decoder's shapes cycled in huge pages, two threads, an AMD EPYC (Zen 4) VM,
 // side by side: median 30.1 vs 27.1 GB/s (sum() of the same memory: 31.6); in a decode step of the 2048x10
 // llama within noise (paired rounds in one process 0.93-1.15x, median 1.04x; processes alternated: 26.0-27.6
-// vs 25.0-27.5 tok/s); float32 within noise of 1 x 8. No software prefetch: with 1 x 8
-// tiles, the same setup, prefetching each row 8 KB ahead read 17.0 / 33.2 GB/s (float32, one / two threads)
-// and 19.4 / 21.2 (bfloat16) against 20.3 / 37.3 and 20.9 / 24.2 without; one row at a time, 4 KB ahead:
-// within noise of none. Built only where the compiler targets AVX-512F; elsewhere the library
-// registers no op and runtime.exact pads products to whole row blocks instead.
+// vs 25.0-27.5 tok/s); float32 within noise of 1 x 8. Software prefetch: with 1 x 8 tiles, the same setup,
+// prefetching each row 8 KB ahead read 17.0 / 33.2 GB/s (float32, one / two threads) and 19.4 / 21.2 (bfloat16)
+// against 20.3 / 37.3 and 20.9 / 24.2 without, one row at a time 4 KB ahead within noise of none; on a Xeon VM
+// one or two rows at a time 3 KB ahead stream 5-12% faster, so the one-row path prefetches (kOneRowPrefetchBytes).
+// Built only where the compiler targets AVX-512F; elsewhere the library registers no op and runtime.exact pads
+// products to whole row blocks instead.
 //
 // linear_bf16: the same contract for bfloat16 x [M, K], w [N, K] -> y [M, N] bfloat16, on Intel AMX. Weights
 // are the A operand straight from memory (16 rows x 32 k per tile, row stride K), x the B operand, packed
@@ -69,6 +70,13 @@ constexpr int64_t kChunkRows = 64;   // x rows passing over one weight block bef
 // (bfloat16 [1024, 256] weights, 300 MB cycled, 2 threads, side by side: 17-19 GB/s in runs of 64 rows, 20.5-23
 // in runs of 128 KB; [2048, 2048] unchanged).
 constexpr int64_t kOneRowChunk = 64;
+// How far ahead of its loads a one-row product asks for each weight row's bytes (into L2, one _mm_prefetch per 64
+// bytes). A Xeon VM (AMX, 2 vCPUs), 2 threads, a 2048x10 llama's 41 decode weights cycled (or one 256 MB weight),
+// in huge pages, 6 rounds shuffled, medians, torch.mv beside as the yardstick: bfloat16 two rows at a time
+// 29.5 -> 33.1-33.8 GB/s at 3 KB ahead (torch.mv 26.3-27.5), float32 31.8 -> 33.3-33.5 (31.4-31.7); 1 KB ahead no
+// gain, 2 and 4 KB between; into L1 (T0) at 3 KB the same. (On an AMD EPYC VM earlier, 1 x 8 tiles prefetching 8 KB
+// ahead were slower and one row 4 KB ahead within noise: re-measure there.)
+constexpr int64_t kOneRowPrefetchBytes = 3072;
 
 // The element types a tile works in: float32 (16 lanes per step, fused multiply-add), and bfloat16 on
 // AVX512-BF16 (32 elements per step, vdpbf16ps: pairs of exact products added into 16 float32 lanes; the
@@ -116,6 +124,7 @@ void tile(const typename E::T* x, const typename E::T* w, typename E::T* y, int6
   for (int64_t k = 0; k < full; k += E::kStep) {
     typename E::V wv[WR];
     for (int64_t j = 0; j < WR; ++j) {
+      if (MT == 1 && WR <= 2) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kOneRowPrefetchBytes, _MM_HINT_T1);
       wv[j] = E::load(wr[j] + k);
     }
     for (int i = 0; i < MT; ++i) {
