@@ -186,14 +186,19 @@ def experts_kernel(dtype: torch.dtype):
 
 def mv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] times the CPU vector ``x`` [in] of the same dtype → [out] in that dtype."""
-    return row_product(weight)(x)
-
-
-def row_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``mv(weight, ·)`` with the product decided now (this process's choice for the weight's dtype), so that a
-    caller running it every step (``runtime.token_step``) skips the per-call checks."""
     if weight.is_contiguous() and weight.dtype in (torch.float32, torch.bfloat16):
         op = chosen_kernel(weight.dtype)
         if op is not None:
-            return lambda x: op(weight, x.contiguous())
-    return lambda x: torch.mv(weight, x)
+            return op(weight, x.contiguous())
+    return torch.mv(weight, x)
+
+
+def row_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``mv(weight, ·)`` for one contiguous row ``x`` [1, in] → [1, out], with the product decided now (this
+    process's choice for the weight's dtype): the same op and bits without the per-call checks and reshapes, for a
+    caller running it every step (``runtime.token_step``)."""
+    name = chosen_name(weight.dtype) if weight.is_contiguous() and weight.dtype in _ROWS_OPS else "torch_mv"
+    if name in KERNELS:
+        op = rows_kernel(weight.dtype, pairs=name == "kernel_pairs")
+        return lambda x: op(x, weight)
+    return lambda x: torch.mv(weight, x.view(-1)).view(1, -1)

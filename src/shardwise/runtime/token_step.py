@@ -46,8 +46,7 @@ def _row_product(weight, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.T
         return weight.row_product(dtype)
     if not isinstance(weight, torch.Tensor) or weight.dtype != dtype:
         return None
-    mv = gemv.row_product(weight)
-    return lambda x: mv(x.view(-1)).view(1, -1)
+    return gemv.row_product(weight)
 
 
 def _attention(layer, dtype: torch.dtype, rope: Rope) -> Callable | None:
@@ -66,8 +65,8 @@ def _attention(layer, dtype: torch.dtype, rope: Rope) -> Callable | None:
     k_cache, v_cache, heads, scaling = attn.k_cache, attn.v_cache, attn.heads, attn.scaling
 
     def run(h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        y = step(qkv(normed(h).view(1, -1)).view(1, 1, -1), cos, sin, k_cache, v_cache, positions, heads, scaling, *qn)
-        return layer.reduce_attn(o(y.view(1, -1)).view(1, 1, -1))
+        y = step(qkv(normed(h)).view(1, 1, -1), cos, sin, k_cache, v_cache, positions, heads, scaling, *qn)
+        return layer.reduce_attn(o(y.view(1, -1)))
 
     return run
 
@@ -83,14 +82,15 @@ def _mlp(layer, dtype: torch.dtype) -> Callable | None:
     normed, rows, act = norm.bound(dtype), mlp.stack.rows, mlp.act
 
     def run(h: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up(normed(h).view(1, -1)).split(rows, dim=-1)
-        return layer.reduce_mlp(down(act(gate, up)).view(1, 1, -1))
+        gate, up = gate_up(normed(h)).split(rows, dim=-1)
+        return layer.reduce_mlp(down(act(gate, up)))
 
     return run
 
 
 class TokenStep:
-    """The decoder layers and final norm of one token (hidden [1, 1, H] → [1, 1, H]) as bound calls."""
+    """The decoder layers and final norm of one token (hidden [1, 1, H] → [1, 1, H]) as bound calls, the hidden
+    state held as one row [1, H] in between (a module part gets and returns [1, 1, H])."""
 
     def __init__(self, model, key: tuple):
         self.key = key
@@ -100,10 +100,14 @@ class TokenStep:
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
         cos, sin = rope
+        shape, h = h.shape, h.view(1, -1)
         for layer, attention, mlp in self.parts:
-            h = h + (attention(h, positions, cos, sin) if attention is not None else layer._attention(h, positions, rope, None))
-            h = h + (mlp(h) if mlp is not None else layer._mlp(h))
-        return self.norm(h)
+            if attention is not None:
+                h = h + attention(h, positions, cos, sin)
+            else:
+                h = h + layer._attention(h.view(shape), positions, rope, None).view(1, -1)
+            h = h + (mlp(h) if mlp is not None else layer._mlp(h.view(shape)).view(1, -1))
+        return self.norm(h).view(shape)
 
 
 def token_step(model, h: torch.Tensor) -> TokenStep | None:
