@@ -341,6 +341,10 @@ class ShardedCausalLM(nn.Module):
         n = ids.shape[1]
         if slots is not None:
             slots, starts = self._check_slots(ids, start, slots)
+            step = token_step(self, slots[0]) if ids.shape == (1, 1) else None
+            if step is not None:  # one token of one sequence: the layers as bound calls (runtime.token_step)
+                positions = torch.arange(starts[0], starts[0] + 1)
+                return step(self.model.embed_tokens(ids), positions, self.rotary(positions, self.dtype), slots[0])
             positions = torch.tensor(starts)[:, None] + torch.arange(n)  # [B, T]
             cos, sin = self.rotary(positions, self.dtype)
             return self._run(ids, positions, (cos.unsqueeze(1), sin.unsqueeze(1)), slots)
@@ -373,7 +377,7 @@ class ShardedCausalLM(nn.Module):
             m = self.model
             h = attn_res_mix(h, blocks, m.output_attn_res_norm, m.output_attn_res_proj, self.spec.rms_norm_eps)
             return m.norm(h)
-        step = token_step(self, h) if slots is None and h.shape[:2] == (1, 1) else None
+        step = token_step(self) if slots is None and h.shape[:2] == (1, 1) else None
         if step is not None:  # one token of one sequence: the layers as bound calls (runtime.token_step)
             return step(h, positions, rope)
         for layer in self.model.layers:

@@ -76,12 +76,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.cast_after_weight, self.offset)
 
-    def bound(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``forward`` for CPU inputs of ``dtype``, with the compiled op looked up now (the same call), for a caller
-        running it every step (``runtime.token_step``); ``forward`` itself where the op does not apply."""
+    def bound(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``forward`` for CPU inputs of ``dtype`` as the compiled op looked up now (the same call), for a caller
+        running it every step (``runtime.token_step``); None where the op does not apply."""
         weight, eps, after, offset = self.weight, self.eps, self.cast_after_weight, self.offset
         if weight.device.type == "cpu" and dtype in _OP_DTYPES and weight.dtype in _OP_DTYPES:
             op = cpp_ops.optional_op("rms_norm.cpp", "shardwise_norm", "rms_norm")
             if op is not None:
                 return lambda x: op(x, weight, eps, after, offset)
-        return self.forward
+        return None

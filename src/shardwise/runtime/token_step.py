@@ -7,16 +7,24 @@ has just pushed the interpreter's own data out of the caches: on a Xeon VM (2 vC
 step spent 2.8 ms (bfloat16) between its 41 products, against 1.0 ms for the same Python with the products'
 outputs cached. ``TokenStep`` runs the same ops in the same order (so the same bits) from closures that hold what
 those checks decided: int4 15.9 -> 14.1 ms a step, int8 21.5 -> 19.6, bfloat16 37.6 -> 36.4, float32 72.6 -> 71.7
-(side by side in one process, 4 rounds of 20 steps).
+(side by side in one process, 4 rounds of 20 steps); the hidden state held as one row [1, H] in between, 8 fewer
+reshapes a layer: int4 13.89 -> 13.64 ms, bfloat16 30.23 -> 29.91.
 
 What it binds per decoder layer: grouped-query attention where ``GQAttention``'s compiled one-token step applies
 (RMSNorm, the stacked q|k|v product, ``shardwise_attn.step``, o_proj without bias) and a dense gated MLP with
 stacked gate|up (RMSNorm, the stacked product, the activation, down). Any other part (MLA, linear attention,
 sliding windows, MoE blocks, biases) runs through its module inside the same step. The all-reduces are the
-layer's ``reduce_attn`` / ``reduce_mlp`` as they are at call time. ``ShardedCausalLM`` runs a ``TokenStep`` for
-one token of one sequence (no cache slots) on the CPU in float32 / bfloat16, outside ``exact.row_blocked()`` and
-while no tracer hooks the layers; a step's bound choices (threads, ``int_matmul.activations``) are checked each
-call and the step rebuilt when they change.
+layer's ``reduce_attn`` / ``reduce_mlp`` as they are at call time.
+
+Two kinds, for the two ways a one-row step is computed: plain (``runtime.gemv``'s one-row products) and exact —
+under ``exact.row_blocked()`` (``generate(exact=True)``, serving's decode steps), whose products are the
+row-invariant ones (``exact.fixed_order_linear``) and whose SiLU / sigmoid run on whole 64-element blocks: the exact
+kind binds those products, binds an MLP only where its width is a whole number of such blocks (padding then changes
+nothing), and runs its bound calls with the mode switched off (its Python callback on every torch call is most of
+what exact decode paid over plain), the module parts under it. ``ShardedCausalLM`` runs a ``TokenStep`` for one
+token of one sequence — in cache row 0, or in one cache slot where every layer's attention is bound — on the CPU in
+float32 / bfloat16, while no tracer hooks the layers; its bound choices (threads, ``int_matmul.activations``, the
+kind) are checked each call and the step rebuilt when they change.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 
 from shardwise.runtime import gemv
 from shardwise.runtime.attention import GQAttention
+from shardwise.runtime.exact import VECTOR_BLOCK, fixed_order_linear, row_blocked
 from shardwise.runtime.int_matmul import IntWeight, activations
 from shardwise.runtime.moe import DenseMLP
 from shardwise.runtime.rms_norm import RMSNorm
@@ -39,51 +48,69 @@ DTYPES = (torch.float32, torch.bfloat16)
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-def _row_product(weight, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``layers.linear`` of one row [1, in] of ``dtype`` by ``weight`` (no bias) → [1, out], decided now; None
-    where linear would not take a one-row product (a float weight of another dtype)."""
-    if isinstance(weight, IntWeight):
+def _row_product(weight, dtype: torch.dtype, exact: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``layers.linear`` of one row [1, in] of ``dtype`` by ``weight`` (no bias) → [1, out], decided now (under
+    ``row_blocked`` with ``exact``); None where linear would not take one op for it."""
+    if isinstance(weight, IntWeight):  # row-invariant either way: each output its own chain
         return weight.row_product(dtype)
     if not isinstance(weight, torch.Tensor) or weight.dtype != dtype:
         return None
-    return gemv.row_product(weight)
+    if not exact:
+        return gemv.row_product(weight)
+    op = fixed_order_linear(torch.empty(1, weight.shape[1], dtype=dtype), weight)
+    return None if op is None else lambda x: op(x, weight)
 
 
-def _attention(layer, dtype: torch.dtype, rope: Rope) -> Callable | None:
-    """``layer._attention`` for one token as bound calls ``f(h, positions, cos, sin)``, or None (the module runs)."""
-    attn, norm = layer.self_attn, layer.input_layernorm
-    if not isinstance(attn, GQAttention) or not isinstance(norm, RMSNorm) or attn.o_proj.bias is not None:
-        return None
-    step = attn._one_token_step(torch.zeros(1, 1, attn.k_cache.shape[-1], dtype=dtype), rope, None)
-    if step is None:
-        return None
-    qkv, o = _row_product(attn.stack.weight, dtype), _row_product(attn.o_proj.weight, dtype)
-    if qkv is None or o is None:
-        return None
-    normed = norm.bound(dtype)
-    qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None, 0.0)
-    k_cache, v_cache, heads, scaling = attn.k_cache, attn.v_cache, attn.heads, attn.scaling
+def _outside_modes(fn: Callable) -> Callable:
+    """``fn`` run with torch-function modes off (the exact kind's bound calls: ``row_blocked``'s callback would
+    only pass them through)."""
 
-    def run(h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        y = step(qkv(normed(h)).view(1, 1, -1), cos, sin, k_cache, v_cache, positions, heads, scaling, *qn)
-        return layer.reduce_attn(o(y.view(1, -1)))
+    def run(*args):
+        with torch._C.DisableTorchFunction():
+            return fn(*args)
 
     return run
 
 
-def _mlp(layer, dtype: torch.dtype) -> Callable | None:
-    """``layer._mlp`` for one token as bound calls ``f(h)``, or None (the module runs)."""
+def _attention(layer, dtype: torch.dtype, rope: Rope, exact: bool, slots: int) -> Callable | None:
+    """``h + layer._attention(h)`` for one token as bound calls ``f(h [1, H], positions, cos, sin, slot)``, or None
+    (the module runs)."""
+    attn, norm = layer.self_attn, layer.input_layernorm
+    if not isinstance(attn, GQAttention) or not isinstance(norm, RMSNorm) or attn.o_proj.bias is not None:
+        return None
+    step = attn._one_token_step(torch.zeros(1, 1, attn.k_cache.shape[-1], dtype=dtype), rope, None)
+    normed = norm.bound(dtype)
+    if step is None or normed is None:
+        return None
+    qkv, o = _row_product(attn.stack.weight, dtype, exact), _row_product(attn.o_proj.weight, dtype, exact)
+    if qkv is None or o is None:
+        return None
+    qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None, 0.0)
+    caches = [(attn.k_cache[s : s + 1], attn.v_cache[s : s + 1]) for s in range(slots)]  # each slot's rows
+    heads, scaling = attn.heads, attn.scaling
+
+    def run(h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: int) -> torch.Tensor:
+        y = step(qkv(normed(h)).view(1, 1, -1), cos, sin, *caches[slot], positions, heads, scaling, *qn)
+        return h + layer.reduce_attn(o(y.view(1, -1)))
+
+    return run
+
+
+def _mlp(layer, dtype: torch.dtype, exact: bool) -> Callable | None:
+    """``h + layer._mlp(h)`` for one token as bound calls ``f(h [1, H])``, or None (the module runs)."""
     mlp, norm = layer.mlp, layer.post_attention_layernorm
     if type(mlp) is not DenseMLP or getattr(mlp, "stack", None) is None or not isinstance(norm, RMSNorm):
         return None
-    gate_up, down = _row_product(mlp.stack.weight, dtype), _row_product(mlp.down_proj.weight, dtype)
-    if gate_up is None or down is None:
+    if exact and mlp.stack.rows[0] % VECTOR_BLOCK:  # row_blocked would pad the activation's input
         return None
+    gate_up, down = _row_product(mlp.stack.weight, dtype, exact), _row_product(mlp.down_proj.weight, dtype, exact)
     normed, rows, act = norm.bound(dtype), mlp.stack.rows, mlp.act
+    if gate_up is None or down is None or normed is None:
+        return None
 
     def run(h: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up(normed(h)).split(rows, dim=-1)
-        return layer.reduce_mlp(down(act(gate, up)))
+        return h + layer.reduce_mlp(down(act(gate, up)))
 
     return run
 
@@ -92,34 +119,53 @@ class TokenStep:
     """The decoder layers and final norm of one token (hidden [1, 1, H] → [1, 1, H]) as bound calls, the hidden
     state held as one row [1, H] in between (a module part gets and returns [1, 1, H])."""
 
-    def __init__(self, model, key: tuple):
-        self.key = key
-        rope = model.rotary(torch.zeros(1, dtype=torch.long), model.dtype)
-        self.parts = [(layer, _attention(layer, model.dtype, rope), _mlp(layer, model.dtype)) for layer in model.model.layers]
-        self.norm = model.model.norm.bound(model.dtype)
+    def __init__(self, model, key: tuple, exact: bool):
+        self.key, dtype = key, model.dtype
+        rope = model.rotary(torch.zeros(1, dtype=torch.long), dtype)
+        wrap = _outside_modes if exact else (lambda fn: fn)
+        self.parts = []
+        for layer in model.model.layers:
+            attention, mlp = _attention(layer, dtype, rope, exact, model.max_batch), _mlp(layer, dtype, exact)
+            self.parts.append((layer, attention and wrap(attention), mlp and wrap(mlp)))
+        self.every_attention_bound = all(attention is not None for _, attention, _ in self.parts)
+        """Whether it runs a cache slot other than row 0 (a module part would need the slot's own arguments)."""
+        norm = model.model.norm.bound(dtype)
+        self.norm = model.model.norm if norm is None else wrap(norm)
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, rope: Rope, slot: int = 0) -> torch.Tensor:
         cos, sin = rope
         shape, h = h.shape, h.view(1, -1)
         for layer, attention, mlp in self.parts:
             if attention is not None:
-                h = h + attention(h, positions, cos, sin)
+                h = attention(h, positions, cos, sin, slot)
             else:
                 h = h + layer._attention(h.view(shape), positions, rope, None).view(1, -1)
-            h = h + (mlp(h) if mlp is not None else layer._mlp(h.view(shape)).view(1, -1))
+            h = mlp(h) if mlp is not None else h + layer._mlp(h.view(shape)).view(1, -1)
         return self.norm(h).view(shape)
 
 
-def token_step(model, h: torch.Tensor) -> TokenStep | None:
-    """``model``'s ``TokenStep`` for the hidden state ``h`` of one token of one sequence, or None where the module
-    path must run (another dtype or device, ``exact.row_blocked()``, a tracer's hooks, attention residuals);
-    built on first use and again when a choice it bound changes (``ShardedCausalLM.stack_projections`` drops it)."""
-    layers = model.model.layers
-    if (h.dtype not in DTYPES or model.dtype != h.dtype or not gemv.applies(h) or model.attn_res
-            or layers[0]._forward_pre_hooks or layers[0]._forward_hooks):
+def _kind() -> bool | None:
+    """Which kind of step this moment's torch-function modes call for: False (plain: none), True (exact: only
+    ``row_blocked`` with its vector kernels), None (any other: the modules must run)."""
+    modes = torch.overrides._get_current_function_mode_stack()
+    if not modes:
+        return False
+    if len(modes) == 1 and isinstance(modes[0], row_blocked) and modes[0].vector_kernels:
+        return True
+    return None
+
+
+def token_step(model, slot: int = 0) -> TokenStep | None:
+    """``model``'s ``TokenStep`` for one token of one sequence in cache ``slot``, or None where the module path must
+    run (another dtype or device, other torch-function modes, a tracer's hooks, attention residuals, a slot other
+    than 0 with a module part); built on first use and again when a choice it bound changes
+    (``ShardedCausalLM.stack_projections`` drops it)."""
+    layers, exact = model.model.layers, _kind()
+    if (exact is None or model.dtype not in DTYPES or model.model.embed_tokens.weight.device.type != "cpu"
+            or model.attn_res or layers[0]._forward_pre_hooks or layers[0]._forward_hooks):
         return None
-    key = (torch.get_num_threads(), activations())
+    key = (torch.get_num_threads(), activations(), exact)
     step = model.__dict__.get("_token_step")
     if step is None or step.key != key:
-        step = model.__dict__["_token_step"] = TokenStep(model, key)
-    return step
+        step = model.__dict__["_token_step"] = TokenStep(model, key, exact)
+    return step if slot == 0 or step.every_attention_bound else None
