@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import run_cli
+from conftest import CLI_TIMEOUT_S, cli_argv, cli_env, run_cli
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan, rank_param_counts
 from shardwise.runtime.checkpoint import make_checkpoint
@@ -159,3 +161,15 @@ def test_llama_variants_make_checkpoint_and_run_at_tp2(tmp_path, model):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["tokens"] == generate(_model(out), [1, 2, 3], 8).tokens
+
+
+def test_cli_run_ranks_use_the_cores_they_share(tiny):
+    """Each local rank runs cores / ranks torch threads (``OMP_NUM_THREADS`` overrides): a run at tp 1 used to pin its
+    one rank to a single thread whatever the machine."""
+    folder, cores = tiny["llama-3.1-8b"], os.cpu_count() or 1
+    unset = {k: v for k, v in cli_env().items() if k != "OMP_NUM_THREADS"}
+    for tp, env, expected in ((1, unset, cores), (2, unset, max(1, cores // 2)), (1, {**unset, "OMP_NUM_THREADS": "1"}, 1)):
+        proc = subprocess.run(cli_argv("run", str(folder), "--tp", str(tp), "--prompt-ids", "1,2,3", "--max-new-tokens",
+                                       "2", "--json"), capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert [r["threads"] for r in json.loads(proc.stdout)["ranks"]] == [expected] * tp, (tp, env.get("OMP_NUM_THREADS"))

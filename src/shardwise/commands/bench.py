@@ -183,7 +183,7 @@ def register(app: typer.Typer) -> None:
         counted = launch_local(count_rank_ops, 1, args=(str(folder), tp, ep, dtype, ids), timeout_s=timeout)[0]
         ops = OpCounts(layers=tuple(counted["layers"]), other=counted["other"])
         common = dict(checkpoint=str(folder), prompt_ids=ids, max_new_tokens=max_new_tokens, tp=tp, ep=ep,
-                      dtype=dtype, allreduce=allreduce)
+                      dtype=dtype, allreduce=allreduce, threads=1)  # one thread a rank, as the probe measures
         plain = launch_local(run_rank, tp, args=(RunRequest(**common, host_probe=repeats),), timeout_s=timeout)
         probe_doc = with_host_probe(probe_doc, plain, allreduce)
         traced = launch_local(run_rank, tp, args=(RunRequest(**common, trace=True),), timeout_s=timeout)

@@ -82,7 +82,8 @@ def _document(spec, folder: Path, request, reports: list[dict[str, Any]], backen
         "speculative": first["speculative"],
         "int_activations": first["int_activations"],
         "ranks": [
-            {k: r[k] for k in ("rank", "param_bytes", "cache_bytes", "experts", "load_s", "prefill_s", "tok_per_s")}
+            {k: r[k] for k in ("rank", "threads", "param_bytes", "cache_bytes", "experts", "load_s", "prefill_s",
+                               "tok_per_s")}
             for r in reports
         ],
     }

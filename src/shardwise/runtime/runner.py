@@ -46,7 +46,7 @@ class RunRequest:
     seed: int = 0
     allreduce: str = "builtin"
     backend: str = "gloo"
-    threads: int = 1
+    threads: int | None = None  # torch threads per rank; None: the launcher's (OMP_NUM_THREADS, else cores / local ranks)
     trace: bool = False  # time every layer of every step (runtime.trace); the report gets "trace"
     spec: SpecParams | None = None  # speculative decoding (drafter, k); the report gets "speculative"
     log: bool = False  # rank 0 prints one status line to stderr when generation starts
@@ -74,7 +74,8 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
     from shardwise.runtime.loader import load_shard, load_spec
     from shardwise.runtime.model import ShardedCausalLM
 
-    torch.set_num_threads(request.threads)
+    if request.threads is not None:
+        torch.set_num_threads(request.threads)
     if request.int_activations is not None:
         int_matmul.set_activations(request.int_activations)
     if request.backend == "nccl":  # every tensor of the run on this rank's GPU
@@ -133,6 +134,7 @@ def run_rank(rank: int, world_size: int, request: RunRequest) -> dict[str, Any]:
         "trace": tracer.export() if tracer is not None else None,
         "speculative": speculative,
         "int_activations": int_matmul.activations(),
+        "threads": torch.get_num_threads(),
         **({"host_probe": host} if host is not None else {}),
     }
 
