@@ -57,6 +57,20 @@ def cli_in_process(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def int_llamas(root: Path, seed: int) -> dict[str, Path]:
+    """A tiny llama with rows 256 wide (whole 128-weight lines for the int kernels) and its int4 / int8 quantizations
+    (LM heads too) under ``root``: {"float", "int4", "int8"} folders."""
+    from shardwise.runtime.checkpoint import make_checkpoint
+    from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
+
+    wide = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64}
+    folders = {"float": make_checkpoint("llama-3.1-8b", "tiny", root / "f", seed=seed, overrides=wide)}
+    for fmt in ("int4", "int8"):
+        quantize_checkpoint(folders["float"], root / fmt, fmt, compare=False, lm_head=True)
+        folders[fmt] = root / fmt
+    return folders
+
+
 def free_port() -> int:
     """A loopback port nothing listens on, outside the host's ephemeral range (the launcher's own
     choice, ``rendezvous.free_port``: a port from ``bind(0)`` was taken by another process between the

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import int_llamas, run_cli
 from shardwise.errors import ShardwiseError
 from shardwise.plan import ParallelPlan
 from shardwise.quant.mxfp4_codec import E2M1_VALUES
@@ -21,7 +21,6 @@ from shardwise.runtime.generate import SamplingParams, generate
 from shardwise.runtime.int_matmul import IntWeight
 from shardwise.runtime.loader import load_shard, load_spec
 from shardwise.runtime.model import ShardedCausalLM
-from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
 from shardwise.runtime.speculative import speculative_generate
 
 pytestmark = pytest.mark.skipif(not int_matmul.int8_rows_here(),
@@ -164,13 +163,10 @@ def test_pairs_choice_is_measured_once_and_followed(tmp_path, monkeypatch, bits)
 def four_bit(tmp_path_factory) -> dict[str, object]:
     """A llama quantized to int4 and to int8 (LM heads too) and a gpt-oss with MXFP4 experts, rows 256 wide."""
     root = tmp_path_factory.mktemp("q8")
-    wide = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64}
-    src = make_checkpoint("llama-3.1-8b", "tiny", root / "f", seed=21, overrides=wide)
-    quantize_checkpoint(src, root / "int4", "int4", compare=False, lm_head=True)
-    quantize_checkpoint(src, root / "int8", "int8", compare=False, lm_head=True)
+    llamas = int_llamas(root, seed=21)
     mxfp4 = make_checkpoint("gpt-oss-20b", "tiny", root / "mxfp4", seed=22, quant="mxfp4",
-                            overrides=wide | {"intermediate_size": 256})
-    return {"int4": root / "int4", "int8": root / "int8", "mxfp4": mxfp4}
+                            overrides={"hidden_size": 256, "intermediate_size": 256, "head_dim": 64})
+    return {"int4": llamas["int4"], "int8": llamas["int8"], "mxfp4": mxfp4}
 
 
 def _model(folder, dtype=torch.float32, max_step_tokens: int = 1) -> ShardedCausalLM:

@@ -10,13 +10,13 @@ import contextlib
 import pytest
 import torch
 
+from conftest import int_llamas
 from shardwise.plan import ParallelPlan
 from shardwise.runtime import gemv, int_matmul
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.exact import row_blocked
 from shardwise.runtime.loader import load_shard, load_spec
 from shardwise.runtime.model import ShardedCausalLM
-from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
 from shardwise.runtime.token_step import TokenStep, token_step
 
 PROMPT = [3, 17, 101, 42, 7, 250, 11]
@@ -25,13 +25,10 @@ PROMPT = [3, 17, 101, 42, 7, 250, 11]
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, object]:
     root = tmp_path_factory.mktemp("token_step")
-    wide = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64}
-    llama = make_checkpoint("llama-3.1-8b", "tiny", root / "llama", seed=5, overrides=wide)
-    quantize_checkpoint(llama, root / "int4", "int4", compare=False, lm_head=True)
-    quantize_checkpoint(llama, root / "int8", "int8", compare=False, lm_head=True)
+    llamas = int_llamas(root, seed=5)
     moe = make_checkpoint("qwen3-30b-a3b", "tiny", root / "moe", seed=6)
     sinks = make_checkpoint("gpt-oss-20b", "tiny", root / "sinks", seed=7)
-    return {"llama": llama, "int4": root / "int4", "int8": root / "int8", "moe": moe, "sinks": sinks}
+    return {"llama": llamas["float"], "int4": llamas["int4"], "int8": llamas["int8"], "moe": moe, "sinks": sinks}
 
 
 def _model(folder, dtype) -> ShardedCausalLM:
