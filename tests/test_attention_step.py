@@ -55,7 +55,7 @@ def _decode(folder, dtype, batch: int) -> tuple[torch.Tensor, list[bool]]:
     ids = torch.tensor([PROMPT[: 8 - r] + PROMPT[:r] for r in range(batch)])
     x = torch.zeros(batch, 1, model.spec.hidden_size, dtype=dtype)
     rope = model.rotary(torch.tensor([len(PROMPT)]), dtype)
-    taken = [layer.self_attn._one_token_step(x, rope, None) is not None for layer in model.model.layers]
+    taken = [layer.self_attn.one_token_step(x, rope, None) is not None for layer in model.model.layers]
     with torch.no_grad():
         logits = [model.logits(ids)[:, -1]]
         for i in range(STEPS):
@@ -70,7 +70,7 @@ def _decode(folder, dtype, batch: int) -> tuple[torch.Tensor, list[bool]]:
 def test_step_equals_torch_ops(folders, key, dtype, batch, monkeypatch):
     fused, taken = _decode(folders[key], dtype, batch)
     assert all(taken), "the compiled step did not apply"
-    monkeypatch.setattr(attention.GQAttention, "_one_token_step", lambda self, x, rope, slots: None)
+    monkeypatch.setattr(attention.GQAttention, "one_token_step", lambda self, x, rope, slots: None)
     plain, _ = _decode(folders[key], dtype, batch)
     assert torch.equal(fused, plain)
 
@@ -81,9 +81,9 @@ def test_step_not_taken_for_a_sliding_window(folders):
     attn = model.model.layers[0].self_attn
     rope = model.rotary(torch.tensor([3]), torch.float32)
     x = torch.zeros(1, 1, model.spec.hidden_size)
-    assert attn._one_token_step(x, rope, None) is not None
+    assert attn.one_token_step(x, rope, None) is not None
     attn.window = 4
-    assert attn._one_token_step(x, rope, None) is None
+    assert attn.one_token_step(x, rope, None) is None
     attn.window = None
-    assert attn._one_token_step(torch.zeros(1, 2, model.spec.hidden_size), rope, None) is None  # two tokens
-    assert attn._one_token_step(x, rope, [0]) is None  # cache slots: the per-slot path
+    assert attn.one_token_step(torch.zeros(1, 2, model.spec.hidden_size), rope, None) is None  # two tokens
+    assert attn.one_token_step(x, rope, [0]) is None  # cache slots: the per-slot path

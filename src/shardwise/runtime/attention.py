@@ -245,7 +245,7 @@ class GQAttention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, hidden] at ``positions`` [T] in cache rows 0..B-1, or, with ``slots``, at
         ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, d/2])."""
-        step = self._one_token_step(x, rope, slots)
+        step = self.one_token_step(x, rope, slots)
         if step is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
             qkv = linear(x, self.stack.weight)
@@ -264,7 +264,7 @@ class GQAttention(nn.Module):
             return self.o_proj(self._cached(q, k, v, positions, slice(0, b)))
         return self.o_proj(per_slot(self._cached, slots, positions, q, k, v))
 
-    def _one_token_step(self, x: torch.Tensor, rope, slots: list[int] | None):
+    def one_token_step(self, x: torch.Tensor, rope, slots: list[int] | None):
         """``shardwise_attn.step`` (``csrc/decode_attention.cpp``: the rest of this forward after the stacked
         q|k|v product, in one call, with the same ops and bits) where it applies: one token per row of full
         attention on the CPU in float32 / bfloat16, q|k|v stacked, full-width rotary tables, no sinks, the

@@ -230,15 +230,15 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, hidden] at ``positions`` [T], or with ``slots`` (``ShardedCausalLM.supports_slots``
         models only) at ``positions`` [B, T] in those cache slots."""
-        h = x + self._attention(x, positions, rope, slots)
-        return h + self._mlp(h)
+        h = x + self.attention_out(x, positions, rope, slots)
+        return h + self.mlp_out(h)
 
-    def _attention(self, x: torch.Tensor, positions: torch.Tensor, rope, slots: list[int] | None) -> torch.Tensor:
+    def attention_out(self, x: torch.Tensor, positions: torch.Tensor, rope, slots: list[int] | None) -> torch.Tensor:
         """The token mixer's output on ``norm(x)``, summed over the ranks."""
         per_row = () if slots is None else (slots,)
         return self.reduce_attn(self.self_attn(self.input_layernorm(x), positions, rope, *per_row).contiguous())
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP / MoE output on ``norm(h)``, summed over the ranks (a latent MoE finishes after the sum)."""
         out = self.reduce_mlp(self.mlp(self.post_attention_layernorm(h)).contiguous())
         return self.mlp.finish(out) if getattr(self.mlp, "latent", False) else out
@@ -255,10 +255,10 @@ class DecoderLayer(nn.Module):
         running: torch.Tensor | None = prefix
         if self.index % self.attn_res_block == 0:
             blocks, running = [*blocks, prefix], None
-        a = self._attention(h, positions, rope, slots)
+        a = self.attention_out(h, positions, rope, slots)
         running = a if running is None else running + a
         h = attn_res_mix(running, blocks, self.mlp_res_norm, self.mlp_res_proj, self.eps)
-        return running + self._mlp(h), blocks
+        return running + self.mlp_out(h), blocks
 
 
 class ShardedCausalLM(nn.Module):

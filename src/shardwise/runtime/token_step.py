@@ -2,7 +2,7 @@
 
 Batch-1 decode runs one token through every layer per step. Through the modules, each step also pays for ~70
 ``nn.Module`` calls and the per-call checks of ``layers.linear``, ``IntWeight.forward`` and
-``GQAttention._one_token_step`` — Python that runs between the weight products, where the products' weight stream
+``GQAttention.one_token_step`` — Python that runs between the weight products, where the products' weight stream
 has just pushed the interpreter's own data out of the caches: on a Xeon VM (2 vCPUs) the 2048x10 llama's int4
 step spent 2.8 ms (bfloat16) between its 41 products, against 1.0 ms for the same Python with the products'
 outputs cached. ``TokenStep`` runs the same ops in the same order (so the same bits) from closures that hold what
@@ -73,12 +73,12 @@ def _outside_modes(fn: Callable) -> Callable:
 
 
 def _attention(layer, dtype: torch.dtype, rope: Rope, exact: bool, slots: int) -> Callable | None:
-    """``h + layer._attention(h)`` for one token as bound calls ``f(h [1, H], positions, cos, sin, slot)``, or None
+    """``h + layer.attention_out(h)`` for one token as bound calls ``f(h [1, H], positions, cos, sin, slot)``, or None
     (the module runs)."""
     attn, norm = layer.self_attn, layer.input_layernorm
     if not isinstance(attn, GQAttention) or not isinstance(norm, RMSNorm) or attn.o_proj.bias is not None:
         return None
-    step = attn._one_token_step(torch.zeros(1, 1, attn.k_cache.shape[-1], dtype=dtype), rope, None)
+    step = attn.one_token_step(torch.zeros(1, 1, attn.k_cache.shape[-1], dtype=dtype), rope, None)
     normed = norm.bound(dtype)
     if step is None or normed is None:
         return None
@@ -97,7 +97,7 @@ def _attention(layer, dtype: torch.dtype, rope: Rope, exact: bool, slots: int) -
 
 
 def _mlp(layer, dtype: torch.dtype, exact: bool) -> Callable | None:
-    """``h + layer._mlp(h)`` for one token as bound calls ``f(h [1, H])``, or None (the module runs)."""
+    """``h + layer.mlp_out(h)`` for one token as bound calls ``f(h [1, H])``, or None (the module runs)."""
     mlp, norm = layer.mlp, layer.post_attention_layernorm
     if type(mlp) is not DenseMLP or getattr(mlp, "stack", None) is None or not isinstance(norm, RMSNorm):
         return None
@@ -139,8 +139,8 @@ class TokenStep:
             if attention is not None:
                 h = attention(h, positions, cos, sin, slot)
             else:
-                h = h + layer._attention(h.view(shape), positions, rope, None).view(1, -1)
-            h = mlp(h) if mlp is not None else h + layer._mlp(h.view(shape)).view(1, -1)
+                h = h + layer.attention_out(h.view(shape), positions, rope, None).view(1, -1)
+            h = mlp(h) if mlp is not None else h + layer.mlp_out(h.view(shape)).view(1, -1)
         return self.norm(h).view(shape)
 
 
