@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
         iters: Annotated[int, typer.Option("--iters", help="timed repetitions per size")] = 20,
         algorithms: Annotated[str, typer.Option("--algorithms", help="comma list of ring, rd, oneshot, two-level, builtin")] = ",".join(
             ("ring", "rd", "oneshot", "two-level", "builtin")),
-        threads: Annotated[int, typer.Option("--threads", help="torch threads per rank (the runtime uses 1)")] = 1,
+        threads: Annotated[int, typer.Option("--threads", help="torch threads per rank (as `bench` runs its ranks; run and serve use cores / ranks)")] = 1,
         triad_mb: Annotated[int, typer.Option("--triad-mb", help="size of each triad array, MB")] = 64,
         matmul_size: Annotated[int, typer.Option("--matmul-size", help="square matmul side")] = 512,
         host_batches: Annotated[int, typer.Option("--host-batches", help="timed batches per host cost (their median; fewer: quicker, noisier)")] = 15,
