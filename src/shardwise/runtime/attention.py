@@ -247,9 +247,8 @@ class GQAttention(nn.Module):
         ``positions`` [B, T] in cache slots ``slots`` (rope's cos/sin then [B, 1, T, d/2])."""
         step = self.one_token_step(x, rope, slots)
         if step is not None:
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
             qkv = linear(x, self.stack.weight)
-            return self.o_proj(step(qkv, *rope, self.k_cache, self.v_cache, positions, self.heads, self.scaling, *norms))
+            return self.o_proj(step(qkv, *rope, self.k_cache, self.v_cache, positions, self.heads, self.scaling, *self.step_norms()))
         b, n, _ = x.shape
         q, k, v = project_inputs(self, x)
         q = q.view(b, n, self.heads, self.head_dim)
@@ -263,6 +262,10 @@ class GQAttention(nn.Module):
         if slots is None:
             return self.o_proj(self._cached(q, k, v, positions, slice(0, b)))
         return self.o_proj(per_slot(self._cached, slots, positions, q, k, v))
+
+    def step_norms(self) -> tuple:
+        """``shardwise_attn.step``'s q / k RMSNorm arguments: (q weight, k weight, eps), or (None, None, 0.0)."""
+        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
 
     def one_token_step(self, x: torch.Tensor, rope, slots: list[int] | None):
         """``shardwise_attn.step`` (``csrc/decode_attention.cpp``: the rest of this forward after the stacked

@@ -190,11 +190,7 @@ def experts_kernel(dtype: torch.dtype):
 
 def mv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] times the CPU vector ``x`` [in] of the same dtype → [out] in that dtype."""
-    if weight.is_contiguous() and weight.dtype in (torch.float32, torch.bfloat16):
-        op = chosen_kernel(weight.dtype)
-        if op is not None:
-            return op(weight, x.contiguous())
-    return torch.mv(weight, x)
+    return row_product(weight)(x.contiguous().view(1, -1)).view(-1)
 
 
 def row_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

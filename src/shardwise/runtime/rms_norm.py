@@ -40,11 +40,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_after_weigh
              offset: bool = False) -> torch.Tensor:
     """RMSNorm of ``x``'s last dimension in the form the flags pick (see the module docstring): the compiled
     op where it applies, else ``rms_norm_torch``; the same values either way (within the stated rounding)."""
-    if x.device.type == "cpu" and x.dtype in _OP_DTYPES and weight.dtype in _OP_DTYPES:
-        op = cpp_ops.optional_op("rms_norm.cpp", "shardwise_norm", "rms_norm")
-        if op is not None:
-            return op(x, weight, eps, cast_after_weight, offset)
+    op = _compiled(x.dtype, weight) if x.device.type == "cpu" else None
+    if op is not None:
+        return op(x, weight, eps, cast_after_weight, offset)
     return rms_norm_torch(x, weight, eps, cast_after_weight, offset)
+
+
+def _compiled(dtype: torch.dtype, weight: torch.Tensor):
+    """The compiled op for CPU inputs of ``dtype`` and this ``weight``, or None where it does not apply or build."""
+    if weight.device.type == "cpu" and dtype in _OP_DTYPES and weight.dtype in _OP_DTYPES:
+        return cpp_ops.optional_op("rms_norm.cpp", "shardwise_norm", "rms_norm")
+    return None
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_after_weight: bool = False,
@@ -80,8 +86,5 @@ class RMSNorm(nn.Module):
         """``forward`` for CPU inputs of ``dtype`` as the compiled op looked up now (the same call), for a caller
         running it every step (``runtime.token_step``); None where the op does not apply."""
         weight, eps, after, offset = self.weight, self.eps, self.cast_after_weight, self.offset
-        if weight.device.type == "cpu" and dtype in _OP_DTYPES and weight.dtype in _OP_DTYPES:
-            op = cpp_ops.optional_op("rms_norm.cpp", "shardwise_norm", "rms_norm")
-            if op is not None:
-                return lambda x: op(x, weight, eps, after, offset)
-        return None
+        op = _compiled(dtype, weight)
+        return None if op is None else lambda x: op(x, weight, eps, after, offset)

@@ -85,7 +85,7 @@ def _attention(layer, dtype: torch.dtype, rope: Rope, exact: bool, slots: int) -
     qkv, o = _row_product(attn.stack.weight, dtype, exact), _row_product(attn.o_proj.weight, dtype, exact)
     if qkv is None or o is None:
         return None
-    qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None, 0.0)
+    qn = attn.step_norms()
     caches = [(attn.k_cache[s : s + 1], attn.v_cache[s : s + 1]) for s in range(slots)]  # each slot's rows
     heads, scaling = attn.heads, attn.scaling
 
