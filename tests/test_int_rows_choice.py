@@ -1,5 +1,5 @@
 """How rows reach the int8 / int4 kernel (``int_matmul.row_path`` / ``int_matmul.pairs``): bfloat16 rows as they
-are (vdpbf16ps) or widened to float32, one or two weight rows at a time (two: the kernel's ``pairs``) —
+are (vdpbf16ps), on int16 grids (4-bit weights) or widened to float32, one or two weight rows at a time (two: the kernel's ``pairs``) —
 whichever this machine measured faster: measured once, stored, followed, overridable; every path giving the same
 product to float32 rounding, and the two-row path the one-row path's bits."""
 
@@ -51,11 +51,11 @@ def test_row_path_is_measured_once_and_followed(fresh_rows_choice, bits):
         path.write_text(json.dumps(rates | ({"float32_pairs": 2.0} if choice == "float32_pairs" else {})))
         int_matmul._paths.clear()
         assert int_matmul.row_path(bits) == choice and int_matmul.pairs(bits) == (choice == "float32_pairs")
-        rows, two = int_matmul.kernel_rows(x, bits)
-        assert rows.dtype == (torch.bfloat16 if choice.startswith("bfloat16") else torch.float32)
-        assert two == choice.endswith("_pairs")
+        rows, flags = int_matmul.kernel_rows(x, bits, lines=weight.lines)
+        assert rows.dtype == (torch.float32 if choice.startswith("float32") else torch.bfloat16)
+        assert flags == (choice.endswith("_pairs"), False, choice.startswith("int16"))
         y = weight(x)
-        assert torch.equal(y, int_matmul.kernel()(rows, weight.q, weight.scale, bits, weight.group, torch.bfloat16, two))
+        assert torch.equal(y, int_matmul.kernel()(rows, weight.q, weight.scale, bits, weight.group, torch.bfloat16, *flags))
         torch.testing.assert_close(y.double(), exact, rtol=2**-7, atol=1e-5)
 
 
@@ -68,22 +68,26 @@ def test_decide_rows_widens_only_past_the_margin():
     rates = {"bfloat16": 10.0, "bfloat16_pairs": 11.0, "float32": 11.0, "float32_pairs": 11.5}
     assert int_matmul.decide_rows(rates) == "bfloat16_pairs"  # 11.5 < 1.05 x 11
     assert int_matmul.decide_rows(rates | {"float32_pairs": 11.6}) == "float32_pairs"
+    grids = rates | {"int16": 10.5, "int16_pairs": 13.0}  # int16 grids keep the rows' 16 bits: no margin against bfloat16
+    assert int_matmul.decide_rows(grids) == "int16_pairs"
+    assert int_matmul.decide_rows(grids | {"float32_pairs": 13.0 * margin}) == "float32_pairs"
 
 
-def _assert_pairs_match(x, q, scale, bits, group, one):
+def _assert_pairs_match(x, q, scale, bits, group, one, i16=False):
     """The ``pairs`` path equals ``one`` (the one-row path's output for ``x``) bit for bit, on 1 and 2 threads, for all
-    of ``x``'s rows and for its last row alone (bfloat16 out), and for a slice of the weight's rows."""
+    of ``x``'s rows and for its last row alone (bfloat16 out), and for a slice of the weight's rows (``i16``: the
+    int16 grids' path)."""
     op = int_matmul.kernel()
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            assert torch.equal(op(x, q, scale, bits, group, None, True), one), n
-            assert torch.equal(op(x[-1:], q, scale, bits, group, torch.bfloat16, True), one[-1:].bfloat16()), n
+            assert torch.equal(op(x, q, scale, bits, group, None, True, False, i16), one), n
+            assert torch.equal(op(x[-1:], q, scale, bits, group, torch.bfloat16, True, False, i16), one[-1:].bfloat16()), n
     finally:
         torch.set_num_threads(threads)
     lo = q.shape[0] // 3
-    assert torch.equal(op(x, q[lo:], scale[lo:], bits, group, None, True), one[:, lo:])
+    assert torch.equal(op(x, q[lo:], scale[lo:], bits, group, None, True, False, i16), one[:, lo:])
 
 
 @pytest.mark.parametrize(("rows", "width", "group"), [(37, 256, 256), (129, 2048, 2048), (64, 100, 100), (9, 384, 32),
@@ -117,6 +121,8 @@ def test_two_4_bit_rows_at_a_time_give_one_rows_bits(rows, width, group, mxfp4, 
              else (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16())
     x = torch.randn(3, width, generator=gen).to(row_dtype)
     _assert_pairs_match(x, q, scale, 4, group, int_matmul.kernel()(x, q, scale, 4, group))
+    if row_dtype == torch.bfloat16 and width % 128 == 0 and int_matmul.int8_rows_here():  # the int16 grids' path too
+        _assert_pairs_match(x, q, scale, 4, group, int_matmul.kernel()(x, q, scale, 4, group, i16=True), i16=True)
 
 
 def test_row_path_override_and_its_error(fresh_rows_choice, monkeypatch):

@@ -29,6 +29,12 @@ exactly the checkpoint's bytes (``bits/8 + scale bytes / group`` per weight), an
 row in one fixed order: a row's result does not depend on how many rows share the call, so a
 k+1-row speculative verify equals k+1 one-row steps bit for bit (``runtime.exact``).
 
+Against 4-bit weights, bfloat16 rows may also go in on int16 grids (``csrc/int_matmul_i16.h``, the ``int16`` row
+paths): each 32-block on its own power-of-two step, so every element within 2^7 of the block's largest is held exactly
+and smaller ones move by at most 2^-15 of it, and the products are integers (vpdpwssd, where vdpbf16ps is this Xeon's
+slowest instruction): on the Xeon VM, 41 decode weights of the 2048x10 llama's int4 checkpoint back to back 13.4 ->
+11.5 ms, its decode 65.5 -> 73.3 tok/s (processes alternated, 2 rounds each).
+
 Opt-in, rows may instead be rounded to int8 per 32-block inside the kernel and multiplied as integers (``activations``:
 ``run`` / ``serve --int-activations int8``; llama.cpp's Q8_0 / Q4_0 / MXFP4 x Q8_0 arithmetic, ``csrc/int_matmul_q8.h``):
 not weight-only any more — x is off by up to half a step of 1/127 of its block's largest element — but one vpdpbusd
@@ -71,7 +77,7 @@ BLOCK_ELEMENTS = 1 << 20
 """Weights dequantized per block (4 MB of float32: in cache while the GEMM reads it)."""
 WIDEN_MARGIN = 1.05
 """bfloat16 rows are widened to float32 only if that streams at least this many times as fast (``row_path``)."""
-ROW_PATHS = ("bfloat16", "bfloat16_pairs", "float32", "float32_pairs")
+ROW_PATHS = ("bfloat16", "bfloat16_pairs", "float32", "float32_pairs", "int16", "int16_pairs")
 """How bfloat16 rows may reach the kernel (``row_path``)."""
 ACTIVATIONS = ("float", "int8")
 """What rows int8 / int4 / MXFP4 weights multiply (``activations``)."""
@@ -89,17 +95,19 @@ def runs_as_gemm(rows: torch.Tensor) -> bool:
     return rows.shape[0] >= GEMM_ROWS and gemv.applies(rows)
 
 
-def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False) -> tuple[torch.Tensor, bool]:
+def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False, lines: bool = False) -> tuple[torch.Tensor, tuple[bool, bool, bool]]:
     """(``rows`` as the kernel reads them for ``bits``-bit weights, contiguous: bfloat16 as they are unless this
     machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32; the kernel's
-    ``pairs`` argument for them: two weight rows at a time where this machine measured that faster). With
-    ``int8_rows`` (the kernel's q8: it rounds float32 / bfloat16 rows itself) as they are, and ``q8_pairs``."""
+    trailing arguments for them: ``pairs`` (two weight rows at a time where this machine measured that faster),
+    ``q8`` and ``i16``). With ``int8_rows`` (the kernel's q8: it rounds float32 / bfloat16 rows itself) as they are,
+    and ``q8_pairs``. Bfloat16 rows take the int16 grids (the ``int16`` paths) only against ``lines`` weights: 4-bit
+    ones in whole 128-weight lines (``IntWeight.takes_int8_rows``); others take the ``bfloat16`` path alike."""
     if int8_rows and rows.dtype in (torch.float32, torch.bfloat16):
-        return rows.contiguous(), q8_pairs(bits)
+        return rows.contiguous(), (q8_pairs(bits), True, False)
     path = row_path(bits)
-    if rows.dtype == torch.bfloat16 and path.startswith("bfloat16"):
-        return rows.contiguous(), path == "bfloat16_pairs"
-    return rows.float().contiguous(), pairs(bits)
+    if rows.dtype == torch.bfloat16 and not path.startswith("float32"):
+        return rows.contiguous(), (path.endswith("_pairs"), False, lines and path.startswith("int16"))
+    return rows.float().contiguous(), (pairs(bits), False, False)
 
 
 def activations() -> str:
@@ -151,7 +159,9 @@ def q8_pairs(bits: int) -> bool:
 
 def row_path(bits: int) -> str:
     """How bfloat16 rows times ``bits``-bit weights reach the kernel on this machine: ``bfloat16`` (as they are:
-    the vdpbf16ps path) or ``float32`` (widened, exactly: the products and sums are then the float32 path's), each
+    the vdpbf16ps path), ``float32`` (widened, exactly: the products and sums are then the float32 path's) or, 4-bit
+    weights only, ``int16`` (each 32-block on its power-of-two int16 grid, vpdpwssd: ``csrc/int_matmul_i16.h`` —
+    elements within 2^7 of their block's largest exact, smaller ones off by at most 2^-15 of it), each
     one weight row at a time or two (``_pairs``: the kernel's ``pairs``, the same bits) — the fastest of them at
     torch's current thread count, measured once (``measure_rows``) and stored beside the kernel's build; widened
     wherever the CPU has no AVX512-BF16 (the kernel would widen them itself). ``SHARDWISE_INT_ROWS`` (one of
@@ -187,21 +197,24 @@ def _row_paths(bits: int) -> tuple[str, bool]:
 
 def candidates(bits: int) -> tuple[str, ...]:
     """The ``ROW_PATHS`` this CPU's build of the kernel has for ``bits``-bit weights (two rows at a time: int8 rows
-    on AVX-512, 4-bit ones where AVX-512VL gives the 64-byte-line paths; int8 with bfloat16 rows has none)."""
+    on AVX-512, 4-bit ones where AVX-512VL gives the 64-byte-line paths; int8 with bfloat16 rows has none; int16
+    grids: 4-bit weights, AVX-512 VNNI)."""
     flags = cpp_ops.cpu_flags()
     lines = {"avx512f", "avx512bw", "avx512vl"} <= flags
     names = ("bfloat16",) + (("bfloat16_pairs",) if bits == 4 else ()) if {"avx512_bf16", "avx512vl"} <= flags else ()
     two = {"avx512f", "avx512bw"} <= flags if bits == 8 else lines
-    return names + ("float32",) + (("float32_pairs",) if two else ())
+    grids = ("int16", "int16_pairs") if bits == 4 and int8_rows_here() else ()
+    return names + ("float32",) + (("float32_pairs",) if two else ()) + grids
 
 
 def decide_rows(rates: dict[str, float]) -> str:
-    """The bfloat16-row path among measured ``rates`` (GB/s by ``ROW_PATHS`` name): the faster float32 one if it
-    streams at least ``WIDEN_MARGIN`` times the faster bfloat16 one's GB/s (or there is none), else that one."""
-    def fastest(prefix: str) -> str | None:
-        return max((n for n in ROW_PATHS if n.startswith(prefix) and n in rates), key=lambda n: rates[n], default=None)
+    """The bfloat16-row path among measured ``rates`` (GB/s by ``ROW_PATHS`` name): the fastest float32 one if it
+    streams at least ``WIDEN_MARGIN`` times the fastest of those that keep the rows' 16 bits (bfloat16, int16
+    grids; or there is none), else that one."""
+    def fastest(*prefixes: str) -> str | None:
+        return max((n for n in ROW_PATHS if n.startswith(prefixes) and n in rates), key=lambda n: rates[n], default=None)
 
-    widened, kept = fastest("float32"), fastest("bfloat16")
+    widened, kept = fastest("float32"), fastest("bfloat16", "int16")
     return widened if kept is None or rates[widened] >= WIDEN_MARGIN * rates[kept] else kept
 
 
@@ -230,7 +243,7 @@ def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_B
         q, scale, group, moved = weights[i]
         x = xs[q.shape[1] * 8 // bits]
         rows = x.float() if name.startswith("float32") else x
-        op(rows, q, scale, bits, group, torch.bfloat16, name.endswith("_pairs"), name.startswith("int8"))
+        op(rows, q, scale, bits, group, torch.bfloat16, name.endswith("_pairs"), name.startswith("int8"), name.startswith("int16"))
         return moved
 
     return kernel_choice.side_by_side(names, run, len(weights), rounds)
@@ -275,6 +288,8 @@ class IntWeight(nn.Module):
             group in (32, 64) or group % 128 == 0 if bits == 4 else group == self.in_features or group % 64 == 0)
         """Whether ``activations()`` = int8 applies to this weight (the kernel's q8 path: rows of whole 128-weight
         lines; int4 in groups of 32, 64 or k*128, int8 per channel or in groups of k*64)."""
+        self.lines = bits == 4 and self.takes_int8_rows
+        """Whether bfloat16 rows may take the int16 grids against it (``kernel_rows``)."""
 
     @classmethod
     def from_stored(cls, packed: torch.Tensor, scale: torch.Tensor, bits: int) -> IntWeight:
@@ -314,10 +329,10 @@ class IntWeight(nn.Module):
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
         q8 = self.takes_int8_rows and x.dtype in (torch.float32, torch.bfloat16) and activations() == "int8"
-        rows, two = kernel_rows(rows, self.bits, q8)
+        rows, flags = kernel_rows(rows, self.bits, q8, self.lines)
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
-            return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, two, q8).view(*x.shape[:-1], self.q.shape[0])
-        y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, two, q8)
+            return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, *flags).view(*x.shape[:-1], self.q.shape[0])
+        y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, *flags)
         return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
 
     def row_product(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -325,11 +340,11 @@ class IntWeight(nn.Module):
         with the kernel's row path, pairs and int8 rows decided now (``kernel_rows``, ``activations``): the same call
         and bits without the per-call checks, for a caller running it every step (``runtime.token_step``)."""
         q8 = self.takes_int8_rows and activations() == "int8"
-        rows, two = kernel_rows(torch.zeros(1, self.in_features, dtype=dtype), self.bits, q8)
+        rows, flags = kernel_rows(torch.zeros(1, self.in_features, dtype=dtype), self.bits, q8, self.lines)
         op, q, scale, bits, group = kernel(), self.q, self.scale, self.bits, self.group
         if rows.dtype != dtype:  # widened to float32, as kernel_rows does
-            return lambda x: op(x.float(), q, scale, bits, group, dtype, two, q8)
-        return lambda x: op(x, q, scale, bits, group, dtype, two, q8)
+            return lambda x: op(x.float(), q, scale, bits, group, dtype, *flags)
+        return lambda x: op(x, q, scale, bits, group, dtype, *flags)
 
     def _dequantized_blocks(self, rows: torch.Tensor) -> torch.Tensor | None:
         """``rows`` [M, in] times the weight, one GEMM per block of dequantized weight rows (``BLOCK_ELEMENTS``),

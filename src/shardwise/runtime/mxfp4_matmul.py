@@ -93,9 +93,9 @@ def mxfp4_matmul(
     op = _packed_kernel(rows, blocks)
     if op is None:
         return F.linear(x, decode(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
-    q8 = rows.shape[1] % 128 == 0 and activations() == "int8"
-    rows, two = kernel_rows(rows, 4, q8)
-    y = op(rows, blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype, two, q8)
+    lines = rows.shape[1] % 128 == 0
+    rows, flags = kernel_rows(rows, 4, lines and activations() == "int8", lines)
+    y = op(rows, blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype, *flags)
     y = y.view(*x.shape[:-1], blocks.shape[0])
     return y if bias is None else y + bias.to(x.dtype)
 

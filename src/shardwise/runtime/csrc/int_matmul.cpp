@@ -312,8 +312,13 @@ std::vector<T> line_order(const T* xs, int64_t n, int blocks) {
 
 #include "int_matmul_outputs.h"
 
+#if defined(SHARDWISE_Q8)
+#define SHARDWISE_I16 1
+#include "int_matmul_i16.h"
+#endif
+
 at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group,
-                      std::optional<at::ScalarType> out_dtype, bool pairs, bool q8) {
+                      std::optional<at::ScalarType> out_dtype, bool pairs, bool q8, bool i16) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scale.dim() == 2 && scale.is_contiguous(), "q and scale must be contiguous 2-D");
@@ -337,6 +342,8 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const void* sp = scale.data_ptr();
   const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
   [[maybe_unused]] const bool lines = bits == 4 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0);
+  TORCH_CHECK(!i16 || (!q8 && lines && x_in.scalar_type() == at::kBFloat16), "i16 takes bfloat16 rows a multiple of 128 "
+              "wide against int4 / MXFP4 weights in groups of 32, 64 or k*128 (and not q8)");
   if (q8) {  // x rounded to int8 per 32-block (int_matmul_q8.h)
     TORCH_CHECK(lines || (bits == 8 && K % 128 == 0 && (group == K || group % 64 == 0)), "q8 takes rows a multiple of 128 "
                 "wide against int4 / MXFP4 weights in groups of 32, 64 or k*128, or int8 ones per channel or in groups of k*64");
@@ -359,6 +366,17 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
     return y;
 #else
     TORCH_CHECK(false, "q8 needs a CPU with AVX-512 VNNI");
+#endif
+  }
+  if (i16) {  // bfloat16 rows on int16 grids (int_matmul_i16.h)
+#if defined(SHARDWISE_I16)
+    const I16Rows xr = i16_rows(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K, sk == kE8M0 ? .5f : 1.f);
+    sum_rows(y, M, N, row_bytes, G, pairs, q.data_ptr<uint8_t>(), K / 2, [&](auto R, const uint8_t* const* rows, const int64_t* s0, int64_t m, float* out) {
+      dot4_i16<decltype(R)::value>(rows, xr.x.data() + m * K, xr.steps.data() + m * (K / 8), xr.corr.data() + m * (K / 8), K, group, sp, sk, s0, out);
+    });
+    return y;
+#else
+    TORCH_CHECK(false, "i16 needs a CPU with AVX-512 VNNI");
 #endif
   }
 #if defined(SHARDWISE_BF16_DOT)
@@ -415,6 +433,6 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(shardwise_int, m) {
-  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None, bool pairs=False, bool q8=False) -> Tensor",
+  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None, bool pairs=False, bool q8=False, bool i16=False) -> Tensor",
         &int_matmul);
 }

@@ -1,0 +1,99 @@
+"""The int4 / MXFP4 kernel's int16 grids (``csrc/int_matmul_i16.h``, the ``int16`` row paths): each 32-block of a
+bfloat16 row on its power-of-two grid, every element within 2^7 of the block's largest held exactly, smaller ones
+off by at most 2^-15 of it; integer products; a row's bits its own whatever shares the call."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardwise.runtime import int_matmul
+
+pytestmark = pytest.mark.skipif(not int_matmul.int8_rows_here(), reason="the int16 grids need AVX-512 VNNI")
+
+
+def _weights(rows: int, width: int, group: int, mxfp4: bool, seed: int = 0):
+    """(q uint8 [rows, width / 2], scale, the float64 weight they hold)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
+    nibbles = torch.stack([q & 15, q >> 4], -1).reshape(rows, width).long()
+    if mxfp4:
+        scale = torch.randint(118, 130, (rows, width // group), dtype=torch.uint8, generator=gen)
+        values = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+        steps = torch.pow(2.0, scale.double() - 127)
+    else:
+        scale = (torch.rand(rows, width // group, generator=gen) * 0.1 + 0.01).bfloat16()
+        values, steps = torch.arange(-8, 8, dtype=torch.float64), scale.double()
+    return q, scale, values[nibbles] * steps.repeat_interleave(group, dim=1)
+
+
+def _grid_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, N]: the most the grids can move each output (2^-15 of a block's largest element per weight of the block),
+    plus float32 rounding of the weighted sums (2^-20 of the sum of the products' magnitudes)."""
+    xd = x.double()
+    block_max = xd.abs().reshape(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1)
+    return (block_max * 2.0**-15) @ w.abs().T + 2.0**-20 * (xd.abs() @ w.abs().T)
+
+
+@pytest.mark.parametrize(("rows", "width", "group", "mxfp4"), [(40, 256, 32, False), (33, 1024, 64, False),
+                                                               (17, 512, 256, False), (24, 384, 32, True)])
+def test_grid_rows_are_exact_where_a_block_spans_seven_octaves_and_bounded_elsewhere(rows, width, group, mxfp4):
+    q, scale, w = _weights(rows, width, group, mxfp4, seed=rows)
+    op = int_matmul.kernel()
+    gen = torch.Generator().manual_seed(width)
+    # every element within 2^7 of its block's largest: each held exactly, so only float32 rounding of the sums is left
+    near = ((torch.rand(2, width, generator=gen) * 127 + 1) * torch.where(torch.rand(2, width, generator=gen) < .5, -1, 1)).bfloat16()
+    exact = near.double() @ w.T
+    sums = near.double().abs() @ w.abs().T
+    assert bool(((op(near, q, scale, 4, group, i16=True).double() - exact).abs() <= 2.0**-20 * sums).all())
+    # a normal row (and one reaching down to subnormal bfloat16): off by no more than the grids allow
+    for x in (torch.randn(3, width, generator=gen).bfloat16(),
+              (torch.randn(1, width, generator=gen) * torch.logspace(-40, 0, width)).bfloat16()):
+        y = op(x, q, scale, 4, group, i16=True).double()
+        assert bool(((y - x.double() @ w.T).abs() <= _grid_bound(x, w)).all())
+
+
+def test_grid_rows_hold_tiny_blocks_and_poison_inf_and_nan():
+    q, scale, w = _weights(16, 256, 32, False)
+    op = int_matmul.kernel()
+    tiny = (torch.randn(1, 256, generator=torch.Generator().manual_seed(2)) * 1e-38).bfloat16()  # down to subnormals
+    ref = tiny.double() @ w.T
+    assert bool(((op(tiny, q, scale, 4, 32, i16=True).double() - ref).abs() <= _grid_bound(tiny, w)).all())
+    assert torch.equal(op(torch.zeros(1, 256, dtype=torch.bfloat16), q, scale, 4, 32, i16=True), torch.zeros(1, 16))
+    for bad in (math.inf, -math.inf, math.nan):
+        x = torch.ones(2, 256, dtype=torch.bfloat16)
+        x[1, 200] = bad  # one block of the second row
+        y = op(x, q, scale, 4, 32, i16=True)
+        assert bool(y[1].isnan().all()) and bool(y[0].isfinite().all()), bad
+
+
+def test_grid_rows_are_row_invariant():
+    """A k+1-row verify pass equals k+1 one-row steps bit for bit, and a row's bits do not depend on which weight rows
+    share the call."""
+    q, scale, _ = _weights(70, 512, 32, False)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
+    op = int_matmul.kernel()
+    full = op(x, q, scale, 4, 32, i16=True)
+    assert torch.equal(torch.cat([op(x[i : i + 1], q, scale, 4, 32, i16=True) for i in range(5)]), full)
+    assert torch.equal(op(x, q[11:40], scale[11:40], 4, 32, i16=True), full[:, 11:40])
+
+
+@pytest.mark.parametrize(("x_dtype", "bits", "width", "q8"), [(torch.float32, 4, 256, False), (torch.bfloat16, 4, 96, False),
+                                                               (torch.bfloat16, 8, 256, False), (torch.bfloat16, 4, 256, True)])
+def test_grid_rows_refuse_what_they_do_not_take(x_dtype, bits, width, q8):
+    q = torch.zeros(8, width * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8)
+    scale = torch.ones(8, width // 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="i16 takes bfloat16 rows a multiple of 128 wide"):
+        int_matmul.kernel()(torch.ones(1, width, dtype=x_dtype), q, scale, bits, 32, None, False, q8, True)
+
+
+def test_int16_path_reaches_only_lines_weights_with_bfloat16_rows(monkeypatch):
+    monkeypatch.setenv("SHARDWISE_INT_ROWS", "int16_pairs")
+    monkeypatch.setattr(int_matmul, "_paths", {})
+    x = torch.ones(1, 256, dtype=torch.bfloat16)
+    assert int_matmul.kernel_rows(x, 4, lines=True)[1] == (True, False, True)
+    assert int_matmul.kernel_rows(x, 4, lines=False)[1] == (True, False, False)  # the bfloat16 path, pairs alike
+    rows, flags = int_matmul.kernel_rows(x.float(), 4, lines=True)
+    assert rows.dtype == torch.float32 and not flags[2]
