@@ -30,10 +30,12 @@ row in one fixed order: a row's result does not depend on how many rows share th
 k+1-row speculative verify equals k+1 one-row steps bit for bit (``runtime.exact``).
 
 Against 4-bit weights, bfloat16 rows may also go in on int16 grids (``csrc/int_matmul_i16.h``, the ``int16`` row
-paths): each 32-block on its own power-of-two step, so every element within 2^7 of the block's largest is held exactly
-and smaller ones move by at most 2^-15 of it, and the products are integers (vpdpwssd, where vdpbf16ps is this Xeon's
-slowest instruction): on the Xeon VM, 41 decode weights of the 2048x10 llama's int4 checkpoint back to back 13.4 ->
-11.5 ms, its decode 65.5 -> 73.3 tok/s (processes alternated, 2 rounds each).
+paths): each 32-block on its own power-of-two step, so every element within 2^6 of the block's largest is held exactly
+and smaller ones move by at most 2^-14 of it, and the products are integers (vpdpbusd on its two int8 halves, where
+vdpbf16ps is this Xeon's slowest instruction): on the Xeon VM, 41 decode weights of the 2048x10 llama's int4
+checkpoint back to back 12.6-13.0 -> 10.4 ms, its decode 66.5 -> 79.5 tok/s (processes alternated, 2 rounds each; the
+same grids at 16 bits through vpdpwssd: 73.3). One 5632x2048 weight from L2 on one core, 5 rounds shuffled: 12.2-13.1
+-> 15.4-17.7 GB/s (int8 rows, q8: 17.1-18.6); from memory on two, 24-26 -> 30-30.5 (q8 32-35).
 
 Opt-in, rows may instead be rounded to int8 per 32-block inside the kernel and multiplied as integers (``activations``:
 ``run`` / ``serve --int-activations int8``; llama.cpp's Q8_0 / Q4_0 / MXFP4 x Q8_0 arithmetic, ``csrc/int_matmul_q8.h``):
@@ -160,8 +162,8 @@ def q8_pairs(bits: int) -> bool:
 def row_path(bits: int) -> str:
     """How bfloat16 rows times ``bits``-bit weights reach the kernel on this machine: ``bfloat16`` (as they are:
     the vdpbf16ps path), ``float32`` (widened, exactly: the products and sums are then the float32 path's) or, 4-bit
-    weights only, ``int16`` (each 32-block on its power-of-two int16 grid, vpdpwssd: ``csrc/int_matmul_i16.h`` —
-    elements within 2^7 of their block's largest exact, smaller ones off by at most 2^-15 of it), each
+    weights only, ``int16`` (each 32-block on its power-of-two integer grid: ``csrc/int_matmul_i16.h`` —
+    elements within 2^6 of their block's largest exact, smaller ones off by at most 2^-14 of it), each
     one weight row at a time or two (``_pairs``: the kernel's ``pairs``, the same bits) — the fastest of them at
     torch's current thread count, measured once (``measure_rows``) and stored beside the kernel's build; widened
     wherever the CPU has no AVX512-BF16 (the kernel would widen them itself). ``SHARDWISE_INT_ROWS`` (one of

@@ -370,9 +370,10 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   }
   if (i16) {  // bfloat16 rows on int16 grids (int_matmul_i16.h)
 #if defined(SHARDWISE_I16)
-    const I16Rows xr = i16_rows(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K, sk == kE8M0 ? .5f : 1.f);
+    const std::vector<I16Chunk> xc = i16_rows(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K,
+                                              sk == kE8M0 ? 12 : 8, sk == kE8M0 ? .5f : 1.f);
     sum_rows(y, M, N, row_bytes, G, pairs, q.data_ptr<uint8_t>(), K / 2, [&](auto R, const uint8_t* const* rows, const int64_t* s0, int64_t m, float* out) {
-      dot4_i16<decltype(R)::value>(rows, xr.x.data() + m * K, xr.steps.data() + m * (K / 8), xr.corr.data() + m * (K / 8), K, group, sp, sk, s0, out);
+      dot4_i16<decltype(R)::value>(rows, xc.data() + m * (K / 128), K, group, sp, sk, s0, out);
     });
     return y;
 #else
