@@ -1,4 +1,4 @@
-"""The int4 / MXFP4 kernel's int16 grids (``csrc/int_matmul_i16.h``, the ``int16`` row paths): each 32-block of a
+"""The int4 / MXFP4 / int8 kernel's integer grids (``csrc/int_matmul_i16.h``, the ``int16`` row paths): each 32-block of a
 bfloat16 row on its power-of-two grid, every element within 2^6 of the block's largest held exactly, smaller ones
 off by at most 2^-14 of it; integer products; a row's bits its own whatever shares the call."""
 
@@ -14,9 +14,13 @@ from shardwise.runtime import int_matmul
 pytestmark = pytest.mark.skipif(not int_matmul.int8_rows_here(), reason="the int16 grids need AVX-512 VNNI")
 
 
-def _weights(rows: int, width: int, group: int, mxfp4: bool, seed: int = 0):
-    """(q uint8 [rows, width / 2], scale, the float64 weight they hold)."""
+def _weights(rows: int, width: int, group: int, mxfp4: bool, seed: int = 0, bits: int = 4):
+    """(q uint8 [rows, width / 2] — int8 [rows, width] for 8 bits —, scale, the float64 weight they hold)."""
     gen = torch.Generator().manual_seed(seed)
+    if bits == 8:
+        q = torch.randint(-128, 128, (rows, width), dtype=torch.int8, generator=gen)
+        scale = (torch.rand(rows, width // group, generator=gen) * 0.01 + 0.001).bfloat16()
+        return q, scale, q.double() * scale.double().repeat_interleave(group, dim=1)
     q = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
     nibbles = torch.stack([q & 15, q >> 4], -1).reshape(rows, width).long()
     if mxfp4:
@@ -37,21 +41,22 @@ def _grid_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (block_max * 2.0**-14) @ w.abs().T + 2.0**-20 * (xd.abs() @ w.abs().T)
 
 
-@pytest.mark.parametrize(("rows", "width", "group", "mxfp4"), [(40, 256, 32, False), (33, 1024, 64, False),
-                                                               (17, 512, 256, False), (24, 384, 32, True)])
-def test_grid_rows_are_exact_where_a_block_spans_six_octaves_and_bounded_elsewhere(rows, width, group, mxfp4):
-    q, scale, w = _weights(rows, width, group, mxfp4, seed=rows)
+@pytest.mark.parametrize(("rows", "width", "group", "mxfp4", "bits"), [
+    (40, 256, 32, False, 4), (33, 1024, 64, False, 4), (17, 512, 256, False, 4), (24, 384, 32, True, 4),
+    (21, 384, 384, False, 8), (30, 512, 64, False, 8), (9, 256, 128, False, 8)])
+def test_grid_rows_are_exact_where_a_block_spans_six_octaves_and_bounded_elsewhere(rows, width, group, mxfp4, bits):
+    q, scale, w = _weights(rows, width, group, mxfp4, seed=rows, bits=bits)
     op = int_matmul.kernel()
     gen = torch.Generator().manual_seed(width)
     # every element within 2^6 of its block's largest: each held exactly, so only float32 rounding of the sums is left
     near = ((torch.rand(2, width, generator=gen) * 63 + 1) * torch.where(torch.rand(2, width, generator=gen) < .5, -1, 1)).bfloat16()
     exact = near.double() @ w.T
     sums = near.double().abs() @ w.abs().T
-    assert bool(((op(near, q, scale, 4, group, i16=True).double() - exact).abs() <= 2.0**-20 * sums).all())
+    assert bool(((op(near, q, scale, bits, group, i16=True).double() - exact).abs() <= 2.0**-20 * sums).all())
     # a normal row (and one reaching down to subnormal bfloat16): off by no more than the grids allow
     for x in (torch.randn(3, width, generator=gen).bfloat16(),
               (torch.randn(1, width, generator=gen) * torch.logspace(-40, 0, width)).bfloat16()):
-        y = op(x, q, scale, 4, group, i16=True).double()
+        y = op(x, q, scale, bits, group, i16=True).double()
         assert bool(((y - x.double() @ w.T).abs() <= _grid_bound(x, w)).all())
 
 
@@ -69,15 +74,17 @@ def test_grid_rows_hold_tiny_blocks_and_poison_inf_and_nan():
         assert bool(y[1].isnan().all()) and bool(y[0].isfinite().all()), bad
 
 
-def test_grid_rows_are_row_invariant():
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 512), (8, 128)])
+def test_grid_rows_are_row_invariant(bits, group):
     """A k+1-row verify pass equals k+1 one-row steps bit for bit, and a row's bits do not depend on which weight rows
-    share the call."""
-    q, scale, _ = _weights(70, 512, 32, False)
+    share the call or whether they go two at a time."""
+    q, scale, _ = _weights(70, 512, group, False, bits=bits)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
     op = int_matmul.kernel()
-    full = op(x, q, scale, 4, 32, i16=True)
-    assert torch.equal(torch.cat([op(x[i : i + 1], q, scale, 4, 32, i16=True) for i in range(5)]), full)
-    assert torch.equal(op(x, q[11:40], scale[11:40], 4, 32, i16=True), full[:, 11:40])
+    full = op(x, q, scale, bits, group, i16=True)
+    assert torch.equal(torch.cat([op(x[i : i + 1], q, scale, bits, group, i16=True) for i in range(5)]), full)
+    assert torch.equal(op(x, q[11:40], scale[11:40], bits, group, i16=True), full[:, 11:40])
+    assert torch.equal(op(x, q, scale, bits, group, None, True, False, True), full)
 
 
 @pytest.mark.parametrize(("x_dtype", "bits", "width", "q8"), [(torch.float32, 4, 256, False), (torch.bfloat16, 4, 96, False),

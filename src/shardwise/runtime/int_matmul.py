@@ -29,13 +29,15 @@ exactly the checkpoint's bytes (``bits/8 + scale bytes / group`` per weight), an
 row in one fixed order: a row's result does not depend on how many rows share the call, so a
 k+1-row speculative verify equals k+1 one-row steps bit for bit (``runtime.exact``).
 
-Against 4-bit weights, bfloat16 rows may also go in on int16 grids (``csrc/int_matmul_i16.h``, the ``int16`` row
+Bfloat16 rows may also go in on integer grids (``csrc/int_matmul_i16.h``, the ``int16`` row
 paths): each 32-block on its own power-of-two step, so every element within 2^6 of the block's largest is held exactly
 and smaller ones move by at most 2^-14 of it, and the products are integers (vpdpbusd on its two int8 halves, where
 vdpbf16ps is this Xeon's slowest instruction): on the Xeon VM, 41 decode weights of the 2048x10 llama's int4
 checkpoint back to back 12.6-13.0 -> 10.4 ms, its decode 66.5 -> 79.5 tok/s (processes alternated, 2 rounds each; the
 same grids at 16 bits through vpdpwssd: 73.3). One 5632x2048 weight from L2 on one core, 5 rounds shuffled: 12.2-13.1
 -> 15.4-17.7 GB/s (int8 rows, q8: 17.1-18.6); from memory on two, 24-26 -> 30-30.5 (q8 32-35).
+int8 weights the same way (one xor and two vpdpbusd per 64): the int8 checkpoint's decode 47.6 -> 51.2 tok/s (widened
+to float32 before: the faster of the others here), its 41 weights 18.8 -> 17.1 ms = 30 GB/s.
 
 Opt-in, rows may instead be rounded to int8 per 32-block inside the kernel and multiplied as integers (``activations``:
 ``run`` / ``serve --int-activations int8``; llama.cpp's Q8_0 / Q4_0 / MXFP4 x Q8_0 arithmetic, ``csrc/int_matmul_q8.h``):
@@ -102,8 +104,8 @@ def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False, lines: b
     machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32; the kernel's
     trailing arguments for them: ``pairs`` (two weight rows at a time where this machine measured that faster),
     ``q8`` and ``i16``). With ``int8_rows`` (the kernel's q8: it rounds float32 / bfloat16 rows itself) as they are,
-    and ``q8_pairs``. Bfloat16 rows take the int16 grids (the ``int16`` paths) only against ``lines`` weights: 4-bit
-    ones in whole 128-weight lines (``IntWeight.takes_int8_rows``); others take the ``bfloat16`` path alike."""
+    and ``q8_pairs``. Bfloat16 rows take the integer grids (the ``int16`` paths) only against ``lines`` weights, those
+    int8 rows fit (``IntWeight.takes_int8_rows``); others take the ``bfloat16`` path alike."""
     if int8_rows and rows.dtype in (torch.float32, torch.bfloat16):
         return rows.contiguous(), (q8_pairs(bits), True, False)
     path = row_path(bits)
@@ -161,8 +163,8 @@ def q8_pairs(bits: int) -> bool:
 
 def row_path(bits: int) -> str:
     """How bfloat16 rows times ``bits``-bit weights reach the kernel on this machine: ``bfloat16`` (as they are:
-    the vdpbf16ps path), ``float32`` (widened, exactly: the products and sums are then the float32 path's) or, 4-bit
-    weights only, ``int16`` (each 32-block on its power-of-two integer grid: ``csrc/int_matmul_i16.h`` —
+    the vdpbf16ps path), ``float32`` (widened, exactly: the products and sums are then the float32 path's) or
+    ``int16`` (each 32-block on its power-of-two integer grid: ``csrc/int_matmul_i16.h`` —
     elements within 2^6 of their block's largest exact, smaller ones off by at most 2^-14 of it), each
     one weight row at a time or two (``_pairs``: the kernel's ``pairs``, the same bits) — the fastest of them at
     torch's current thread count, measured once (``measure_rows``) and stored beside the kernel's build; widened
@@ -199,13 +201,13 @@ def _row_paths(bits: int) -> tuple[str, bool]:
 
 def candidates(bits: int) -> tuple[str, ...]:
     """The ``ROW_PATHS`` this CPU's build of the kernel has for ``bits``-bit weights (two rows at a time: int8 rows
-    on AVX-512, 4-bit ones where AVX-512VL gives the 64-byte-line paths; int8 with bfloat16 rows has none; int16
-    grids: 4-bit weights, AVX-512 VNNI)."""
+    on AVX-512, 4-bit ones where AVX-512VL gives the 64-byte-line paths; int8 with bfloat16 rows has none; integer
+    grids: AVX-512 VNNI)."""
     flags = cpp_ops.cpu_flags()
     lines = {"avx512f", "avx512bw", "avx512vl"} <= flags
     names = ("bfloat16",) + (("bfloat16_pairs",) if bits == 4 else ()) if {"avx512_bf16", "avx512vl"} <= flags else ()
     two = {"avx512f", "avx512bw"} <= flags if bits == 8 else lines
-    grids = ("int16", "int16_pairs") if bits == 4 and int8_rows_here() else ()
+    grids = ("int16", "int16_pairs") if int8_rows_here() else ()
     return names + ("float32",) + (("float32_pairs",) if two else ()) + grids
 
 
@@ -290,8 +292,8 @@ class IntWeight(nn.Module):
             group in (32, 64) or group % 128 == 0 if bits == 4 else group == self.in_features or group % 64 == 0)
         """Whether ``activations()`` = int8 applies to this weight (the kernel's q8 path: rows of whole 128-weight
         lines; int4 in groups of 32, 64 or k*128, int8 per channel or in groups of k*64)."""
-        self.lines = bits == 4 and self.takes_int8_rows
-        """Whether bfloat16 rows may take the int16 grids against it (``kernel_rows``)."""
+        self.lines = self.takes_int8_rows
+        """Whether bfloat16 rows may take the integer grids against it (``kernel_rows``): the same weights as int8 rows."""
 
     @classmethod
     def from_stored(cls, packed: torch.Tensor, scale: torch.Tensor, bits: int) -> IntWeight:

@@ -342,8 +342,9 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const void* sp = scale.data_ptr();
   const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
   [[maybe_unused]] const bool lines = bits == 4 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0);
-  TORCH_CHECK(!i16 || (!q8 && lines && x_in.scalar_type() == at::kBFloat16), "i16 takes bfloat16 rows a multiple of 128 "
-              "wide against int4 / MXFP4 weights in groups of 32, 64 or k*128 (and not q8)");
+  TORCH_CHECK(!i16 || (!q8 && x_in.scalar_type() == at::kBFloat16 && (lines || (bits == 8 && K % 128 == 0 && (group == K || group % 64 == 0)))),
+              "i16 takes bfloat16 rows a multiple of 128 wide against int4 / MXFP4 weights in groups of 32, 64 or k*128, "
+              "or int8 ones per channel or in groups of k*64 (and not q8)");
   if (q8) {  // x rounded to int8 per 32-block (int_matmul_q8.h)
     TORCH_CHECK(lines || (bits == 8 && K % 128 == 0 && (group == K || group % 64 == 0)), "q8 takes rows a multiple of 128 "
                 "wide against int4 / MXFP4 weights in groups of 32, 64 or k*128, or int8 ones per channel or in groups of k*64");
@@ -370,6 +371,13 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   }
   if (i16) {  // bfloat16 rows on int16 grids (int_matmul_i16.h)
 #if defined(SHARDWISE_I16)
+    if (bits == 8) {
+      const std::vector<I16Line8> xc = i16_rows8(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K);
+      sum_rows(y, M, N, row_bytes, G, pairs, q.data_ptr<int8_t>(), K, [&](auto R, const int8_t* const* rows, const int64_t* s0, int64_t m, float* out) {
+        dot8_i16<decltype(R)::value>(rows, xc.data() + m * (K / 128), K, group, sp, sk, s0, out);
+      });
+      return y;
+    }
     const std::vector<I16Chunk> xc = i16_rows(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K,
                                               sk == kE8M0 ? 12 : 8, sk == kE8M0 ? .5f : 1.f);
     sum_rows(y, M, N, row_bytes, G, pairs, q.data_ptr<uint8_t>(), K / 2, [&](auto R, const uint8_t* const* rows, const int64_t* s0, int64_t m, float* out) {

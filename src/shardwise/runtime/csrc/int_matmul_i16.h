@@ -1,4 +1,4 @@
-// int4 / MXFP4 weights against bfloat16 rows held on integer grids (the kernel's i16), on AVX-512 VNNI: int_matmul.cpp
+// int4 / MXFP4 / int8 weights against bfloat16 rows held on integer grids (the kernel's i16), on AVX-512 VNNI: int_matmul.cpp
 // includes it where AVX-512 VNNI builds the q8 path (after int_matmul_q8.h: kE2M1Bytes, add_group, chunk_scales).
 //
 // Each 32-block of a bfloat16 row is put once per call on its own power-of-two grid, step 2^(E - 140) for E the
@@ -31,6 +31,23 @@ struct alignas(64) I16Chunk {
   float steps[16];
 };
 
+// One 32-block of a bfloat16 row on its grid (as int32 into q[0..31]); returns its step.
+float grid_block(const uint16_t* v, int32_t* q) {
+  int E = 0;
+  for (int i = 0; i < 32; ++i) E = std::max(E, (v[i] >> 7) & 0xFF);
+  // step 2^(E - 140): a float32's bits (subnormal below E = 14); NaN for a block holding inf or NaN
+  const uint32_t bits = E == 255 ? 0x7FC00000u : E >= 14 ? uint32_t(E - 13) << 23 : 0x00400000u >> (13 - E);
+  float step;
+  std::memcpy(&step, &bits, sizeof step);
+  const __m512 down = _mm512_set1_ps(float(140 - E));  // x * 2^(140 - E): exact (scalef), then rounded half-even
+  for (int h = 0; h < 2; ++h) {
+    const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * h)));
+    const __m512 f = _mm512_scalef_ps(_mm512_castsi512_ps(_mm512_slli_epi32(words, 16)), down);
+    _mm512_storeu_si512(q + 16 * h, _mm512_cvtps_epi32(f));
+  }
+  return step;
+}
+
 // Rows x [M, K] (bfloat16 as uint16, K a multiple of 128) as M * K / 128 chunks, for weights whose stored nibbles
 // stand for (nibble - offset) * unit: int4 8 and 1, MXFP4 (E2M1 values doubled) 12 and 0.5.
 std::vector<I16Chunk> i16_rows(const uint16_t* x, int64_t M, int64_t K, int offset, float unit) {
@@ -39,20 +56,8 @@ std::vector<I16Chunk> i16_rows(const uint16_t* x, int64_t M, int64_t K, int offs
   for (int64_t c = 0; c < M * K / 128; ++c) {
     I16Chunk& ch = out[c];
     for (int b = 0; b < 4; ++b) {  // 32-blocks
-      const uint16_t* v = x + 128 * c + 32 * b;
-      int E = 0;
-      for (int i = 0; i < 32; ++i) E = std::max(E, (v[i] >> 7) & 0xFF);
-      // step 2^(E - 140): a float32's bits (subnormal below E = 14); NaN for a block holding inf or NaN
-      const uint32_t bits = E == 255 ? 0x7FC00000u : E >= 14 ? uint32_t(E - 13) << 23 : 0x00400000u >> (13 - E);
-      float step;
-      std::memcpy(&step, &bits, sizeof step);
+      const float step = grid_block(x + 128 * c + 32 * b, q + 32 * b);
       for (int i = 4 * b; i < 4 * b + 4; ++i) ch.steps[i] = step * unit;
-      const __m512 down = _mm512_set1_ps(float(140 - E));  // x * 2^(140 - E): exact (scalef), then rounded half-even
-      for (int h = 0; h < 2; ++h) {
-        const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * h)));
-        const __m512 f = _mm512_scalef_ps(_mm512_castsi512_ps(_mm512_slli_epi32(words, 16)), down);
-        _mm512_store_si512(q + 32 * b + 16 * h, _mm512_cvtps_epi32(f));
-      }
     }
     for (int j = 0; j < 64; ++j) {
       ch.e_hi[j] = int8_t(q[2 * j] >> 7);
@@ -100,4 +105,73 @@ void dot4_i16(const uint8_t* const* q, const I16Chunk* xc, int64_t K, int64_t gr
     }
   }
   for (int i = 0; i < R; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
+}
+
+// int8 weights (the kernel multiplies q + 128, unsigned): one 128-element chunk of one row on its grids, as two
+// 64-element halves, each grid value's int8 parts hi / lo; lane i of half h holds elements 64h + 4i..+3, so
+// corr[h][i] = -128 times their grid values' sum and steps[h][i] the step of their 32-block.
+struct alignas(64) I16Line8 {
+  int8_t hi[128];
+  int8_t lo[128];
+  int32_t corr[2][16];
+  float steps[2][16];
+};
+
+std::vector<I16Line8> i16_rows8(const uint16_t* x, int64_t M, int64_t K) {
+  std::vector<I16Line8> out(M * K / 128);
+  alignas(64) int32_t q[128];
+  for (int64_t c = 0; c < M * K / 128; ++c) {
+    I16Line8& ch = out[c];
+    for (int b = 0; b < 4; ++b) {
+      const float step = grid_block(x + 128 * c + 32 * b, q + 32 * b);
+      for (int i = 8 * (b % 2); i < 8 * (b % 2) + 8; ++i) ch.steps[b / 2][i] = step;
+    }
+    for (int e = 0; e < 128; ++e) {
+      ch.hi[e] = int8_t(q[e] >> 7);
+      ch.lo[e] = int8_t(q[e] & 127);
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 16; ++i) ch.corr[h][i] = -128 * (q[64 * h + 4 * i] + q[64 * h + 4 * i + 1] + q[64 * h + 4 * i + 2] + q[64 * h + 4 * i + 3]);
+  }
+  return out;
+}
+
+// R rows of int8 weights (one scale per row — group = K — or groups of a multiple of 64; K a multiple of 128) against
+// one row's chunks, each row summed exactly as alone; the two halves of a chunk into two accumulators. Per 64 weights:
+// one xor, two vpdpbusd, a shift and an add, then the exact float32 sums times their steps into one fused
+// multiply-add with the weight scale.
+template <int R, bool PerRow>
+void dot8_i16_lines(const int8_t* const* q, const I16Line8* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
+                    const int64_t* s0, float* out) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 a[R][2];
+  for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  const int64_t per_group = PerRow ? 1 : group / 64;  // 64-weight halves per scale
+  for (int64_t k = 0, c = 0, g = 0; k < K; k += 128, ++c) {
+    const I16Line8& x = xc[c];
+    for (int i = 0; i < R; ++i) {
+      prefetch_ahead(q[i] + k);
+      prefetch_ahead(q[i] + k + 64);
+    }
+    for (int h = 0; h < 2; ++h, ++g) {
+      const __m512 steps = _mm512_load_ps(x.steps[h]);
+      for (int i = 0; i < R; ++i) {
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(q[i] + k + 64 * h), flip);
+        const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(x.hi + 64 * h));
+        const __m512i low = _mm512_dpbusd_epi32(_mm512_load_si512(x.corr[h]), w, _mm512_load_si512(x.lo + 64 * h));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 7), low)), steps);
+        a[i][h] = PerRow ? _mm512_add_ps(a[i][h], t) : _mm512_fmadd_ps(_mm512_set1_ps(scale_at(s, sk, s0[i] + g / per_group)), t, a[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
+    out[i] = PerRow ? sum * scale_at(s, sk, s0[i]) : sum;
+  }
+}
+template <int R>
+void dot8_i16(const int8_t* const* q, const I16Line8* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
+              const int64_t* s0, float* out) {
+  if (group == K) return dot8_i16_lines<R, true>(q, xc, K, group, s, sk, s0, out);
+  dot8_i16_lines<R, false>(q, xc, K, group, s, sk, s0, out);
 }
