@@ -41,7 +41,9 @@ All figures come from this one run on this machine, so the ratios are what to re
 5. **shardwise int8 / int4** (``quantize --format int8`` per channel, ``int4`` groups of 32, with
    ``--lm-head``: the LM head quantized too, as llama.cpp's files hold theirs — Q8_0's in Q8_0, Q4_0's
    in Q6_K; the embedding stays float, one row read per token) at tp=1, activations in ``--dtype``:
-   decode tok/s, bytes per token and share of their own roofline, next to llama.cpp's Q8_0 / Q4_0; and
+   decode tok/s, bytes per token and share of their own roofline, next to llama.cpp's Q8_0 / Q4_0 (bfloat16 rows
+   reach the kernel the way this machine measured fastest — as they are, widened, or on integer grids per 32-block:
+   ``int_matmul.row_path``; the table says which); and
    ``int8-q8`` / ``int4-q8``: both with ``SHARDWISE_INT_ACTIVATIONS=int8`` (rows rounded to int8 per 32-block in the
    kernel, llama.cpp's own Q8_0 / Q4_0 arithmetic: its ratios are taken against them), where the CPU has AVX-512 VNNI.
 6. **shardwise tp=2** (two gloo ranks, ``--threads / 2`` threads each; all-reduce through shared
@@ -370,7 +372,8 @@ def main() -> None:
             return (f" rounded to int8 per 32-block in the kernel (SHARDWISE_INT_ACTIVATIONS=int8: llama.cpp's "
                     f"{'Q8_0' if bits == 8 else 'Q4_0'} arithmetic{two})")
         path = int_matmul.row_path(bits) if args.dtype == "bfloat16" else "float32_pairs" if int_matmul.pairs(bits) else "float32"
-        how = "as they are (vdpbf16ps)" if path.startswith("bfloat16") else "as float32"
+        how = {"bfloat16": "as they are (vdpbf16ps)", "float32": "as float32",
+               "int16": "on integer grids per 32-block (vpdpbusd)"}[path.removesuffix("_pairs")]
         return f" ({how}{', two weight rows at a time,' if path.endswith('_pairs') else ''} in the kernel: this machine's measured choice)"
 
     print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped "
