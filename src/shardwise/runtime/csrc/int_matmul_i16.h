@@ -51,60 +51,30 @@ float grid_block(const uint16_t* v, int32_t* q) {
 // Rows x [M, K] (bfloat16 as uint16, K a multiple of 128) as M * K / 128 chunks, for weights whose stored nibbles
 // stand for (nibble - offset) * unit: int4 8 and 1, MXFP4 (E2M1 values doubled) 12 and 0.5.
 std::vector<I16Chunk> i16_rows(const uint16_t* x, int64_t M, int64_t K, int offset, float unit) {
-  std::vector<I16Chunk> out(M * K / 128);
-  alignas(64) int32_t q[128];
-  for (int64_t c = 0; c < M * K / 128; ++c) {
-    I16Chunk& ch = out[c];
-    for (int b = 0; b < 4; ++b) {  // 32-blocks
-      const float step = grid_block(x + 128 * c + 32 * b, q + 32 * b);
-      for (int i = 4 * b; i < 4 * b + 4; ++i) ch.steps[i] = step * unit;
-    }
+  return int_rows<I16Chunk>(x, M, K, grid_block, [&](I16Chunk& ch, const int32_t* q, const float* steps) {
+    spread_steps(steps, 4, unit, ch.steps);
     for (int j = 0; j < 64; ++j) {
       ch.e_hi[j] = int8_t(q[2 * j] >> 7);
       ch.e_lo[j] = int8_t(q[2 * j] & 127);
       ch.o_hi[j] = int8_t(q[2 * j + 1] >> 7);
       ch.o_lo[j] = int8_t(q[2 * j + 1] & 127);
     }
-    for (int i = 0; i < 16; ++i) {
-      int32_t sum = 0;
-      for (int e = 8 * i; e < 8 * i + 8; ++e) sum += q[e];
-      ch.corr[i] = -offset * sum;
-    }
-  }
-  return out;
+    lane_offsets(q, 8, offset, ch.corr);
+  });
 }
 
-// R rows of 4-bit weights (q[i], scales from s0[i]: float32, bfloat16 or E8M0 — then E2M1 values, group 32; else
-// group 32, 64 or a multiple of 128) against one row's chunks xc, each row summed exactly as alone (R = 1): per
-// chunk the nibbles times hi and lo (vpdpbusd, four products a lane each), hi's sums times 128 plus lo's, exact in
-// int32 (|sum| < 2^22) and in float32; chunks alternate between two accumulators.
+// R rows of 4-bit weights against one row's chunks (dot4_int): per chunk the nibbles times hi and lo (vpdpbusd, four
+// products a lane each), hi's sums times 128 plus lo's — exact in int32 (|sum| < 2^22) and in float32, and exact times
+// the blocks' power-of-two steps — then one fused multiply-add with the weight scales.
 template <int R>
 void dot4_i16(const uint8_t* const* q, const I16Chunk* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
               const int64_t* s0, float* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const int count = group < 128 ? int(128 / group) : 1;
-  const __m512i idx = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                                  : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m512 a[R][2];
-  for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0, c = 0; k < K; k += 128, ++c) {
-    const I16Chunk& x = xc[c];
-    for (int i = 0; i < R; ++i) prefetch_ahead(q[i] + k / 2);
-    for (int i = 0; i < R; ++i) {
-      const __m512i w = _mm512_loadu_si512(q[i] + k / 2);
-      __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-      if (sk == kE8M0) {
-        lo = _mm512_shuffle_epi8(kE2M1Bytes, lo);
-        hi = _mm512_shuffle_epi8(kE2M1Bytes, hi);
-      }
-      const __m512i high = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(x.e_hi)), hi, _mm512_load_si512(x.o_hi));
-      const __m512i low = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512(x.corr), lo, _mm512_load_si512(x.e_lo)), hi, _mm512_load_si512(x.o_lo));
-      const __m512i acc = _mm512_add_epi32(_mm512_slli_epi32(high, 7), low);
-      const __m512 ws = group < 128 ? chunk_scales(s, sk, s0[i] + k / group, count, idx) : _mm512_set1_ps(scale_at(s, sk, s0[i] + k / group));
-      add_group(ws, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_load_ps(x.steps)), c & 1, a[i][0], a[i][1]);  // exact; then one rounding
-    }
-  }
-  for (int i = 0; i < R; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
+  dot4_int<R>(q, xc, K, group, s, sk, s0, [](__m512i lo, __m512i hi, const I16Chunk& x, __m512 ws, __m512& acc) {
+    const __m512i high = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(x.e_hi)), hi, _mm512_load_si512(x.o_hi));
+    const __m512i low = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512(x.corr), lo, _mm512_load_si512(x.e_lo)), hi, _mm512_load_si512(x.o_lo));
+    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 7), low)), _mm512_load_ps(x.steps));
+    acc = _mm512_fmadd_ps(ws, t, acc);
+  }, out);
 }
 
 // int8 weights (the kernel multiplies q + 128, unsigned): one 128-element chunk of one row on its grids, as two
@@ -118,60 +88,25 @@ struct alignas(64) I16Line8 {
 };
 
 std::vector<I16Line8> i16_rows8(const uint16_t* x, int64_t M, int64_t K) {
-  std::vector<I16Line8> out(M * K / 128);
-  alignas(64) int32_t q[128];
-  for (int64_t c = 0; c < M * K / 128; ++c) {
-    I16Line8& ch = out[c];
-    for (int b = 0; b < 4; ++b) {
-      const float step = grid_block(x + 128 * c + 32 * b, q + 32 * b);
-      for (int i = 8 * (b % 2); i < 8 * (b % 2) + 8; ++i) ch.steps[b / 2][i] = step;
-    }
+  return int_rows<I16Line8>(x, M, K, grid_block, [](I16Line8& ch, const int32_t* q, const float* steps) {
+    spread_steps(steps, 8, 1.f, ch.steps[0]);
     for (int e = 0; e < 128; ++e) {
       ch.hi[e] = int8_t(q[e] >> 7);
       ch.lo[e] = int8_t(q[e] & 127);
     }
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < 16; ++i) ch.corr[h][i] = -128 * (q[64 * h + 4 * i] + q[64 * h + 4 * i + 1] + q[64 * h + 4 * i + 2] + q[64 * h + 4 * i + 3]);
-  }
-  return out;
+    for (int h = 0; h < 2; ++h) lane_offsets(q + 64 * h, 4, 128, ch.corr[h]);
+  });
 }
 
-// R rows of int8 weights (one scale per row — group = K — or groups of a multiple of 64; K a multiple of 128) against
-// one row's chunks, each row summed exactly as alone; the two halves of a chunk into two accumulators. Per 64 weights:
-// one xor, two vpdpbusd, a shift and an add, then the exact float32 sums times their steps into one fused
-// multiply-add with the weight scale.
-template <int R, bool PerRow>
-void dot8_i16_lines(const int8_t* const* q, const I16Line8* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
-                    const int64_t* s0, float* out) {
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  __m512 a[R][2];
-  for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
-  const int64_t per_group = PerRow ? 1 : group / 64;  // 64-weight halves per scale
-  for (int64_t k = 0, c = 0, g = 0; k < K; k += 128, ++c) {
-    const I16Line8& x = xc[c];
-    for (int i = 0; i < R; ++i) {
-      prefetch_ahead(q[i] + k);
-      prefetch_ahead(q[i] + k + 64);
-    }
-    for (int h = 0; h < 2; ++h, ++g) {
-      const __m512 steps = _mm512_load_ps(x.steps[h]);
-      for (int i = 0; i < R; ++i) {
-        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(q[i] + k + 64 * h), flip);
-        const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(x.hi + 64 * h));
-        const __m512i low = _mm512_dpbusd_epi32(_mm512_load_si512(x.corr[h]), w, _mm512_load_si512(x.lo + 64 * h));
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 7), low)), steps);
-        a[i][h] = PerRow ? _mm512_add_ps(a[i][h], t) : _mm512_fmadd_ps(_mm512_set1_ps(scale_at(s, sk, s0[i] + g / per_group)), t, a[i][h]);
-      }
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
-    out[i] = PerRow ? sum * scale_at(s, sk, s0[i]) : sum;
-  }
-}
+// R rows of int8 weights against one row's chunks (dot8_int_rows). Per 64 weights: one xor, two vpdpbusd, a shift and
+// an add, then the exact float32 sums times their steps into one fused multiply-add with the weight scale.
 template <int R>
 void dot8_i16(const int8_t* const* q, const I16Line8* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
               const int64_t* s0, float* out) {
-  if (group == K) return dot8_i16_lines<R, true>(q, xc, K, group, s, sk, s0, out);
-  dot8_i16_lines<R, false>(q, xc, K, group, s, sk, s0, out);
+  dot8_int_rows<R>(q, xc, K, group, s, sk, s0, [](__m512i w, const I16Line8& x, int h, float scale, __m512& acc) {
+    const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(x.hi + 64 * h));
+    const __m512i low = _mm512_dpbusd_epi32(_mm512_load_si512(x.corr[h]), w, _mm512_load_si512(x.lo + 64 * h));
+    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 7), low)), _mm512_load_ps(x.steps[h]));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(scale), t, acc);
+  }, out);
 }

@@ -50,40 +50,59 @@ float round_block(const T* xb, int32_t* q) {
   return d;
 }
 
+// corr[i] = -offset times the sum of q's elements span * i .. span * i + span - 1 (i < 16): the integer lanes' start,
+// taking off the offset the unsigned weights carry.
+inline void lane_offsets(const int32_t* q, int span, int offset, int32_t* corr) {
+  for (int i = 0; i < 16; ++i) {
+    int32_t sum = 0;
+    for (int e = span * i; e < span * i + span; ++e) sum += q[e];
+    corr[i] = -offset * sum;
+  }
+}
+
+// Rows x [M, K] (K a multiple of 128) as M * K / 128 chunks: round(block, q) puts one 32-block on integers (into
+// q[0..31]) and returns its step; fill(chunk, q, steps) lays out a chunk's 128 integers and its four blocks' steps.
+template <class Chunk, class T, class Round, class Fill>
+std::vector<Chunk> int_rows(const T* x, int64_t M, int64_t K, const Round& round, const Fill& fill) {
+  std::vector<Chunk> out(M * K / 128);
+  alignas(64) int32_t q[128];
+  float steps[4];
+  for (int64_t c = 0; c < M * K / 128; ++c) {
+    for (int b = 0; b < 4; ++b) steps[b] = round(x + 128 * c + 32 * b, q + 32 * b);
+    fill(out[c], q, steps);
+  }
+  return out;
+}
+
+// lanes[i] = steps[i / per] * unit, i < 4 * per: a chunk's four block steps spread to the integer lanes summing them.
+inline void spread_steps(const float* steps, int per, float unit, float* lanes) {
+  for (int i = 0; i < 4 * per; ++i) lanes[i] = steps[i / per] * unit;
+}
+
 // Rows x [M, K] (float32, or bfloat16 as uint16), K a multiple of 128, as M * K / 128 chunks, for weights whose
 // stored nibbles stand for (nibble - offset) * unit: int4 8 and 1, MXFP4 (E2M1 values doubled) 12 and 0.5.
 template <class T>
 std::vector<Q8Chunk> q8_rows(const T* x, int64_t M, int64_t K, int offset, float unit) {
-  std::vector<Q8Chunk> out(M * K / 128);
-  alignas(64) int32_t q[128];
-  for (int64_t c = 0; c < M * K / 128; ++c) {
-    Q8Chunk& ch = out[c];
-    for (int b = 0; b < 4; ++b) {  // 32-blocks
-      const float d = round_block(x + c * 128 + 32 * b, q + 32 * b);
-      for (int i = 4 * b; i < 4 * b + 4; ++i) ch.xs[i] = d * unit;
-    }
+  return int_rows<Q8Chunk>(x, M, K, round_block<T>, [&](Q8Chunk& ch, const int32_t* q, const float* d) {
+    spread_steps(d, 4, unit, ch.xs);
     for (int j = 0; j < 64; ++j) {
       ch.xe[j] = int8_t(q[2 * j]);
       ch.xo[j] = int8_t(q[2 * j + 1]);
     }
-    for (int i = 0; i < 16; ++i) {
-      int32_t s = 0;
-      for (int e = 8 * i; e < 8 * i + 8; ++e) s += q[e];
-      ch.corr[i] = -offset * s;
-    }
-  }
-  return out;
+    lane_offsets(q, 8, offset, ch.corr);
+  });
 }
 
 // MXFP4's nibbles as unsigned bytes 2 * E2M1 + 12 (0..24; the x chunks' offset 12, unit 0.5), one vpshufb each.
 const __m512i kE2M1Bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
 
 // R rows of 4-bit weights (q[i], scales from s0[i]: float32, bfloat16 or E8M0 — then E2M1 values, group 32; else
-// group 32, 64 or a multiple of 128) against one row's chunks xc, each row summed exactly as alone (R = 1); chunks
-// alternate between two accumulators.
-template <int R>
-void dot4_q8(const uint8_t* const* q, const Q8Chunk* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
-             const int64_t* s0, float* out) {
+// group 32, 64 or a multiple of 128) against one row's chunks xc (Q8Chunk here, I16Chunk for int_matmul_i16.h), each
+// row summed exactly as alone (R = 1); chunks alternate between two accumulators. The stored nibbles go in unsigned
+// (MXFP4's through kE2M1Bytes); add(lo, hi, x, ws, acc) adds one chunk's products times its weight scales ws to acc.
+template <int R, class Chunk, class Add>
+void dot4_int(const uint8_t* const* q, const Chunk* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
+              const int64_t* s0, const Add& add, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int count = group < 128 ? int(128 / group) : 1;
   const __m512i idx = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
@@ -91,23 +110,29 @@ void dot4_q8(const uint8_t* const* q, const Q8Chunk* xc, int64_t K, int64_t grou
   __m512 a[R][2];
   for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0, c = 0; k < K; k += 128, ++c) {
-    const Q8Chunk& x = xc[c];
+    const Chunk& x = xc[c];
     for (int i = 0; i < R; ++i) prefetch_ahead(q[i] + k / 2);
     for (int i = 0; i < R; ++i) {
       const __m512i w = _mm512_loadu_si512(q[i] + k / 2);
-      __m512i acc = _mm512_load_si512(x.corr);
       __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
       if (sk == kE8M0) {
         lo = _mm512_shuffle_epi8(kE2M1Bytes, lo);
         hi = _mm512_shuffle_epi8(kE2M1Bytes, hi);
       }
-      acc = _mm512_dpbusd_epi32(acc, lo, _mm512_load_si512(x.xe));
-      acc = _mm512_dpbusd_epi32(acc, hi, _mm512_load_si512(x.xo));
       const __m512 ws = group < 128 ? chunk_scales(s, sk, s0[i] + k / group, count, idx) : _mm512_set1_ps(scale_at(s, sk, s0[i] + k / group));
-      add_group(_mm512_mul_ps(ws, _mm512_load_ps(x.xs)), _mm512_cvtepi32_ps(acc), c & 1, a[i][0], a[i][1]);
+      add(lo, hi, x, ws, a[i][c & 1]);
     }
   }
   for (int i = 0; i < R; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
+}
+
+template <int R>
+void dot4_q8(const uint8_t* const* q, const Q8Chunk* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
+             const int64_t* s0, float* out) {
+  dot4_int<R>(q, xc, K, group, s, sk, s0, [](__m512i lo, __m512i hi, const Q8Chunk& x, __m512 ws, __m512& acc) {
+    const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512(x.corr), lo, _mm512_load_si512(x.xe)), hi, _mm512_load_si512(x.xo));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(ws, _mm512_load_ps(x.xs)), _mm512_cvtepi32_ps(sum), acc);
+  }, out);
 }
 
 // int8 weights (stored as q; the kernel multiplies q + 128, unsigned, by the signed int8 row): one 128-element chunk of
@@ -121,54 +146,58 @@ struct alignas(64) Q8Line8 {
 
 template <class T>
 std::vector<Q8Line8> q8_rows8(const T* x, int64_t M, int64_t K) {
-  std::vector<Q8Line8> out(M * K / 128);
-  alignas(64) int32_t q[128];
-  for (int64_t c = 0; c < M * K / 128; ++c) {
-    Q8Line8& ch = out[c];
-    for (int b = 0; b < 4; ++b) {
-      const float d = round_block(x + c * 128 + 32 * b, q + 32 * b);
-      for (int i = 8 * (b % 2); i < 8 * (b % 2) + 8; ++i) ch.xs[b / 2][i] = d;
-    }
+  return int_rows<Q8Line8>(x, M, K, round_block<T>, [](Q8Line8& ch, const int32_t* q, const float* d) {
+    spread_steps(d, 8, 1.f, ch.xs[0]);
     for (int e = 0; e < 128; ++e) ch.x[e] = int8_t(q[e]);
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < 16; ++i) ch.corr[h][i] = -128 * (q[64 * h + 4 * i] + q[64 * h + 4 * i + 1] + q[64 * h + 4 * i + 2] + q[64 * h + 4 * i + 3]);
-  }
-  return out;
+    for (int h = 0; h < 2; ++h) lane_offsets(q + 64 * h, 4, 128, ch.corr[h]);
+  });
 }
 
-// R rows of int8 weights (q[i], scales from s0[i]; one scale per row — group = K — or groups of a multiple of 64)
-// against one row's chunks, each row summed exactly as alone; the two halves of a chunk into two accumulators.
-// Per 64 weights: one xor (q + 128), one vpdpbusd, a conversion and a fused multiply-add.
-template <int R, bool PerRow>
-void dot8_q8_lines(const int8_t* const* q, const Q8Line8* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
-                   const int64_t* s0, float* out) {
+// dot8_int_rows' loop, PerRow: one scale per row.
+template <int R, bool PerRow, class Line, class Add>
+void dot8_int(const int8_t* const* q, const Line* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
+              const int64_t* s0, const Add& add, float* out) {
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   __m512 a[R][2];
   for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
   const int64_t per_group = PerRow ? 1 : group / 64;  // 64-weight halves per scale
   for (int64_t k = 0, c = 0, g = 0; k < K; k += 128, ++c) {
-    const Q8Line8& x = xc[c];
+    const Line& x = xc[c];
     for (int i = 0; i < R; ++i) {
       prefetch_ahead(q[i] + k);
       prefetch_ahead(q[i] + k + 64);
     }
-    for (int h = 0; h < 2; ++h, ++g) {
-      const __m512 xs = _mm512_load_ps(x.xs[h]);
+    for (int h = 0; h < 2; ++h, ++g)
       for (int i = 0; i < R; ++i) {
         const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(q[i] + k + 64 * h), flip);
-        const __m512 t = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_load_si512(x.corr[h]), w, _mm512_load_si512(x.x + 64 * h)));
-        a[i][h] = _mm512_fmadd_ps(PerRow ? xs : _mm512_mul_ps(_mm512_set1_ps(scale_at(s, sk, s0[i] + g / per_group)), xs), t, a[i][h]);
+        add(w, x, h, PerRow ? 1.f : scale_at(s, sk, s0[i] + g / per_group), a[i][h]);
       }
-    }
   }
   for (int i = 0; i < R; ++i) {
     const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
     out[i] = PerRow ? sum * scale_at(s, sk, s0[i]) : sum;
   }
 }
+
+// R rows of int8 weights (q[i], scales from s0[i]; one scale per row — group = K — or groups of a multiple of 64)
+// against one row's chunks (Q8Line8 here, I16Line8 for int_matmul_i16.h), each row summed exactly as alone; the two
+// halves of a chunk into two accumulators. The weights go in as q + 128 (unsigned); add(w, x, h, scale, acc) adds
+// half h's products (times its group's scale, 1 for a per-channel row: its scale multiplies the row's sum) to acc.
+template <int R, class Line, class Add>
+void dot8_int_rows(const int8_t* const* q, const Line* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
+                   const int64_t* s0, const Add& add, float* out) {
+  if (group == K) return dot8_int<R, true>(q, xc, K, group, s, sk, s0, add, out);
+  dot8_int<R, false>(q, xc, K, group, s, sk, s0, add, out);
+}
+
+// Per 64 weights: one xor (q + 128), one vpdpbusd, a conversion and a fused multiply-add.
 template <int R>
 void dot8_q8(const int8_t* const* q, const Q8Line8* xc, int64_t K, int64_t group, const void* s, ScaleKind sk,
              const int64_t* s0, float* out) {
-  if (group == K) return dot8_q8_lines<R, true>(q, xc, K, group, s, sk, s0, out);
-  dot8_q8_lines<R, false>(q, xc, K, group, s, sk, s0, out);
+  const bool per_row = group == K;
+  dot8_int_rows<R>(q, xc, K, group, s, sk, s0, [per_row](__m512i w, const Q8Line8& x, int h, float scale, __m512& acc) {
+    const __m512 xs = _mm512_load_ps(x.xs[h]);
+    const __m512 t = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_load_si512(x.corr[h]), w, _mm512_load_si512(x.x + 64 * h)));
+    acc = _mm512_fmadd_ps(per_row ? xs : _mm512_mul_ps(_mm512_set1_ps(scale), xs), t, acc);
+  }, out);
 }
