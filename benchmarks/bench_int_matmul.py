@@ -6,7 +6,8 @@
 Every kernel multiplies the same random weight (quantized the same way for the integer ones) by
 ``--rows`` activation rows; the figure is weight bytes read per second (GB/s) and time per call,
 best of 5 passes of 50 calls, so the ratios are what to read. Where the CPU has AVX-512 VNNI, shardwise's int8 / int4
-also run on rows rounded to int8 per 32-block (``--int-activations int8``: llama.cpp's Q8_0 / Q4_0 x Q8_0 arithmetic).
+also run on rows rounded to int8 per 32-block (``--int-activations int8``: llama.cpp's Q8_0 / Q4_0 x Q8_0 arithmetic),
+and bfloat16 rows along each row path (as they are, widened, on integer grids: ``int_matmul.row_path``).
 Torch's kernels:
 ``_weight_int8pack_mm`` (int8 per channel, activations and scales in the activation dtype) and
 ``_weight_int4pack_mm_for_cpu`` (int4 groups of 32 with a bfloat16 scale and zero point per group).
@@ -38,8 +39,14 @@ def best_seconds(fn, calls: int = 50, passes: int = 5) -> float:
 
 def on_int8_rows(weight: IntWeight, x: torch.Tensor) -> torch.Tensor:
     """``weight(x)`` with x rounded to int8 per 32-block in the kernel (its q8 argument: ``--int-activations int8``)."""
-    rows, two = int_matmul.kernel_rows(x, weight.bits, True)
-    return int_matmul.kernel()(rows, weight.q, weight.scale, weight.bits, weight.group, x.dtype, two, True)
+    rows, flags = int_matmul.kernel_rows(x, weight.bits, True)
+    return int_matmul.kernel()(rows, weight.q, weight.scale, weight.bits, weight.group, x.dtype, *flags)
+
+
+def on_row_path(weight: IntWeight, x: torch.Tensor, path: str) -> torch.Tensor:
+    """``weight(x)`` for bfloat16 ``x`` along one of ``int_matmul.ROW_PATHS`` (one weight row at a time)."""
+    rows = x.float() if path == "float32" else x
+    return int_matmul.kernel()(rows, weight.q, weight.scale, weight.bits, weight.group, x.dtype, False, False, path == "int16")
 
 
 def main() -> None:
@@ -76,6 +83,11 @@ def main() -> None:
             for weight, label in ((int8, "int8"), (int4, "int4 g32")):
                 cases.append((f"shardwise {label}, {name} x as int8", weight.q.numel() + weight.scale.numel() * 2,
                               lambda x=x, weight=weight: on_int8_rows(weight, x)))
+        if dtype == torch.bfloat16:  # each way bfloat16 rows can reach the kernel (the line above: the measured choice)
+            for weight, label in ((int8, "int8"), (int4, "int4 g32")):
+                for path in ("bfloat16", "float32") + (("int16",) if int_matmul.int8_rows_here() and args.inp % 128 == 0 else ()):
+                    cases.append((f"shardwise {label}, bf16 x, row path {path}", weight.q.numel() + weight.scale.numel() * 2,
+                                  lambda x=x, weight=weight, path=path: on_row_path(weight, x, path)))
         cases += [
             (f"torch _weight_int8pack_mm, {name} x", q8t.numel() + s8t.numel() * x.element_size(),
              lambda x=x, dtype=dtype: torch._weight_int8pack_mm(x, q8t, s8t.to(dtype))),
