@@ -234,7 +234,7 @@ def test_shardwise_commands_parse_with_torchrun_and_shardwise_run(ring_shardwise
         assert params["backend"] == "nccl" and params["dtype"] == "bfloat16"
         assert params["allreduce"] == "auto" and params["cluster"] == CLUSTER
         assert params["max_new_tokens"] == 4096 - 2048
-    assert any("shardwise serve" in line and "does not exist yet" in line for line in ring_shardwise["launch"]["lines"])
+    assert any("put `serve` in place of `run`" in line for line in ring_shardwise["launch"]["lines"])
 
 
 def test_shardwise_speculation_draft_and_cpu_boxes():
