@@ -51,7 +51,7 @@ def test_row_path_is_measured_once_and_followed(fresh_rows_choice, bits):
         path.write_text(json.dumps(rates | ({"float32_pairs": 2.0} if choice == "float32_pairs" else {})))
         int_matmul._paths.clear()
         assert int_matmul.row_path(bits) == choice and int_matmul.pairs(bits) == (choice == "float32_pairs")
-        rows, flags = int_matmul.kernel_rows(x, bits, lines=weight.lines)
+        rows, flags = int_matmul.kernel_rows(x, bits, lines=weight.takes_int8_rows)
         assert rows.dtype == (torch.float32 if choice.startswith("float32") else torch.bfloat16)
         assert flags == (choice.endswith("_pairs"), False, choice.startswith("int16"))
         y = weight(x)

@@ -291,9 +291,8 @@ class IntWeight(nn.Module):
         self.takes_int8_rows = self.in_features % 128 == 0 and (
             group in (32, 64) or group % 128 == 0 if bits == 4 else group == self.in_features or group % 64 == 0)
         """Whether ``activations()`` = int8 applies to this weight (the kernel's q8 path: rows of whole 128-weight
-        lines; int4 in groups of 32, 64 or k*128, int8 per channel or in groups of k*64)."""
-        self.lines = self.takes_int8_rows
-        """Whether bfloat16 rows may take the integer grids against it (``kernel_rows``): the same weights as int8 rows."""
+        lines; int4 in groups of 32, 64 or k*128, int8 per channel or in groups of k*64) — and the integer grids
+        (``kernel_rows``' ``lines``)."""
 
     @classmethod
     def from_stored(cls, packed: torch.Tensor, scale: torch.Tensor, bits: int) -> IntWeight:
@@ -333,7 +332,7 @@ class IntWeight(nn.Module):
             if y is not None:
                 return y.to(x.dtype).view(*x.shape[:-1], self.q.shape[0])
         q8 = self.takes_int8_rows and x.dtype in (torch.float32, torch.bfloat16) and activations() == "int8"
-        rows, flags = kernel_rows(rows, self.bits, q8, self.lines)
+        rows, flags = kernel_rows(rows, self.bits, q8, self.takes_int8_rows)
         if x.dtype in (torch.float32, torch.bfloat16):  # the kernel rounds its float32 sums to x's dtype
             return kernel()(rows, self.q, self.scale, self.bits, self.group, x.dtype, *flags).view(*x.shape[:-1], self.q.shape[0])
         y = kernel()(rows, self.q, self.scale, self.bits, self.group, None, *flags)
@@ -344,7 +343,7 @@ class IntWeight(nn.Module):
         with the kernel's row path, pairs and int8 rows decided now (``kernel_rows``, ``activations``): the same call
         and bits without the per-call checks, for a caller running it every step (``runtime.token_step``)."""
         q8 = self.takes_int8_rows and activations() == "int8"
-        rows, flags = kernel_rows(torch.zeros(1, self.in_features, dtype=dtype), self.bits, q8, self.lines)
+        rows, flags = kernel_rows(torch.zeros(1, self.in_features, dtype=dtype), self.bits, q8, self.takes_int8_rows)
         op, q, scale, bits, group = kernel(), self.q, self.scale, self.bits, self.group
         if rows.dtype != dtype:  # widened to float32, as kernel_rows does
             return lambda x: op(x.float(), q, scale, bits, group, dtype, *flags)
