@@ -100,6 +100,13 @@ def test_probe_writes_a_cluster_file_that_plan_reads(probe_run, tmp_path):
     want = best_allreduce(n_bytes, 2, cluster.link.latency_s, cluster.link.beta_bytes_per_s)[0]
     assert json.loads(run.stdout)["allreduce"] == want
     assert f"all-reduce auto -> {want}" in run.stderr
+    # and `serve` the same way, answering once its ranks run with it
+    from serve_process import ServeProcess, http
+
+    with ServeProcess(str(folder), "--tp", "2", "--allreduce", "auto", "--cluster", str(out), log_dir=tmp_path,
+                      env=ONE_THREAD) as server:
+        assert f"all-reduce auto -> {want}" in server.stderr()
+        assert http(server.base_url + "/models")[0] == 200
 
 
 def test_unreachable_master_under_torchrun_env_fails_within_timeout():

@@ -51,6 +51,7 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")] = "float32",
         allreduce: Annotated[str, typer.Option("--allreduce", help="builtin, ring, rd, oneshot, two-level, shm (shared memory, ranks on one host) or auto (shm for gloo ranks on one host, else cheapest by the α-β model)")] = "auto",
         backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU)")] = "gloo",
+        cluster: Annotated[Optional[str], typer.Option("--cluster", help="cluster TOML (from `shardwise probe`) whose α/β --allreduce auto uses")] = None,
         served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="model id clients send (default: the checkpoint folder's name)")] = None,
         timeout: Annotated[float, typer.Option("--timeout", help="seconds one collective may block before the server fails")] = SERVE_TIMEOUT_S,
         spec_method: Annotated[Optional[str], typer.Option("--spec", help="speculative decoding for a greedy request decoding alone: ngram (prompt lookup)")] = None,
@@ -91,7 +92,7 @@ def register(app: typer.Typer) -> None:
 
             check_activations(int_activations, "--int-activations")
         check_backend(backend)
-        allreduce, chosen = resolve_allreduce(allreduce, spec, dtype, tp, torchrun, backend)
+        allreduce, chosen = resolve_allreduce(allreduce, spec, dtype, tp, torchrun, backend, cluster)
         with Checkpoint(folder) as ckpt:
             check_checkpoint(spec, ckpt)
         ServeTokenizer(folder)  # a missing or broken tokenizer fails here, before any rank starts

@@ -13,8 +13,8 @@ one-line error. The multi-node form is vLLM's multiprocessing backend (``--nnode
 ``--node-rank``, ``--master-addr``, ``--headless``), whose node ranks follow the ring order.
 
 shardwise: ``torchrun ... -m shardwise run CHECKPOINT --tp T --ep E ...`` on every host: one prompt on the planned
-layout, with the plan's all-reduce (``--cluster``) and speculation (a draft model too), which ``shardwise serve``
-does not take yet; the header says how to serve the same layout instead.
+layout, with the plan's all-reduce (``--cluster``) and speculation (a draft model too, which ``shardwise serve``
+does not take yet); the header says how to serve the same layout instead.
 
 Pure Python: never imports torch.
 """
@@ -410,8 +410,8 @@ def shardwise_launch(doc: dict, sc, model: ModelRef, draft: ModelRef | None, clu
         "# each command runs `shardwise run` on the planned layout "
         f"(prefill <prompt>, decode up to {new_tokens:,} tokens, print the result on node 0, exit); to serve it "
         "instead (an OpenAI-compatible API on node 0), put `serve` in place of `run` and --host / --port / "
-        "--max-batch / --max-model-len in place of --prompt / --max-new-tokens (`serve` takes no --cluster "
-        "or --draft yet: its all-reduce is --allreduce's, its speculation ngram)",
+        "--max-batch / --max-model-len in place of --prompt / --max-new-tokens (`serve` takes no --draft yet: "
+        "its speculation is ngram)",
         f"# torchrun starts {per_node} rank(s) on this host, rendezvous at {master}:{TORCHRUN_MASTER_PORT}" if intra else
         f"# torchrun starts one rank per node; rendezvous at node 0 ({master}:{TORCHRUN_MASTER_PORT}); "
         "start every node's command at once, each on its own host",
