@@ -1,9 +1,11 @@
 """MXFP4 experts in the runtime: resident bytes against the planner, decode tok/s against BF16
 experts, and the per-weight decode paths.
 
-    PYTHONPATH=src python benchmarks/bench_mxfp4.py [--hidden 1024] [--experts 16] [--tokens 32]
+    PYTHONPATH=src python benchmarks/bench_mxfp4.py [--family gpt-oss|qwen3-moe] [--hidden 1024] [--experts 16] [--tokens 32]
 
-Builds a gpt-oss-shaped checkpoint (random weights, experts MXFP4 in the gpt-oss layout),
+Builds a gpt-oss-shaped checkpoint (random weights, experts MXFP4 in the gpt-oss layout; or ``--family qwen3-moe``:
+Qwen3-MoE's SwiGLU experts, top-8, expert width 3/4 of hidden, MXFP4 in compressed-tensors' layout — the experts a
+one-row step runs in one call, ``runtime/packed_experts.py``),
 its dequantized BF16 twin (expert weights = decode(blocks, scales) exactly), then on one
 thread in this process:
 
@@ -96,19 +98,28 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--family", choices=("gpt-oss", "qwen3-moe"), default="gpt-oss")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         h = args.hidden
-        overrides = dict(hidden_size=h, intermediate_size=h, num_attention_heads=h // 64, head_dim=64,
-                         num_local_experts=args.experts)
         t0 = time.perf_counter()
-        q = make_checkpoint("gpt-oss-20b", "tiny", root / "mxfp4", seed=0, quant="mxfp4", overrides=overrides)
+        if args.family == "gpt-oss":
+            overrides = dict(hidden_size=h, intermediate_size=h, num_attention_heads=h // 64, head_dim=64,
+                             num_local_experts=args.experts)
+            q = make_checkpoint("gpt-oss-20b", "tiny", root / "mxfp4", seed=0, quant="mxfp4", overrides=overrides)
+            shape = f"gpt-oss shape, hidden {h}, expert intermediate {h}, {args.experts} experts, top-2, 2 layers"
+        else:
+            overrides = dict(hidden_size=h, moe_intermediate_size=3 * h // 4, num_attention_heads=h // 64, head_dim=64,
+                             num_experts=args.experts, num_experts_per_tok=min(8, args.experts))
+            q = make_checkpoint("qwen3-30b-a3b", "tiny", root / "mxfp4", seed=0, quant="mxfp4", overrides=overrides)
+            shape = (f"Qwen3-MoE shape, hidden {h}, expert intermediate {3 * h // 4}, {args.experts} experts, "
+                     f"top-{min(8, args.experts)}, {load_spec(q).num_layers} layers")
         bf16 = dequantize_checkpoint(q, root / "bf16", dtype=torch.bfloat16)
         build_s = time.perf_counter() - t0
         report = {
-            "model": f"gpt-oss shape, hidden {h}, expert intermediate {h}, {args.experts} experts, top-2, 2 layers",
+            "model": shape,
             "build_s": build_s,
             "resident": [_resident(q, ParallelPlan(), 0)] + [_resident(q, ParallelPlan(tp=2, ep=2), r) for r in range(2)],
             "bf16_resident_expert_bytes_tp1": _resident(bf16, ParallelPlan(), 0)["resident_expert_bytes"],

@@ -1,8 +1,9 @@
 """A MoE block's one-row step through the compiled ``experts_row`` (``runtime/gemv.py``): the same
 experts, order and roundings as the torch ops it replaces, for the routings and expert layouts that
 take it (Qwen3-MoE softmax top-k, DeepSeek-V3 sigmoid with shared experts, Qwen3.5's sigmoid-gated
-shared expert — the shared experts run in the same call, as its last expert), float32 and bfloat16; kept
-out of ``exact.row_blocked()`` and of experts it cannot run (MXFP4)."""
+shared expert — the shared experts run in the same call, as its last expert), float32 and bfloat16; packed
+experts (MXFP4, int4, int8) through ``experts_row_packed`` (``runtime/packed_experts.py``) the same way; kept out of
+``exact.row_blocked()``."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import pytest
 import torch
 
 from shardwise.plan import ParallelPlan
-from shardwise.runtime import gemv
+from shardwise.runtime import gemv, packed_experts
 from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.exact import row_blocked
 from shardwise.runtime.loader import load_shard, load_spec
 from shardwise.runtime.model import ShardedCausalLM
 from shardwise.runtime.moe import SparseMoE
+from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
 
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 64, 2, 8, 31, 77, 120, 9]
 
@@ -28,6 +30,8 @@ def ckpts(tmp_path_factory):
         "deepseek": make_checkpoint("deepseek-v3", "tiny", root / "deepseek", seed=5),
         "qwen3_5": make_checkpoint("qwen3.5-35b-a3b", "tiny", root / "qwen3_5", seed=7),
         "mxfp4": make_checkpoint("qwen3-30b-a3b", "tiny", root / "mxfp4", seed=6, quant="mxfp4"),
+        **{fmt: quantize_checkpoint(make_checkpoint("qwen3-30b-a3b", "tiny", root / f"float-{fmt}", seed=8),
+                                    root / fmt, fmt, compare=False) and root / fmt for fmt in ("int4", "int8")},
     }
 
 
@@ -59,13 +63,29 @@ def test_one_row_experts_in_one_call_equal_the_torch_ops(ckpts, name, dtype, mon
     assert float((fused - plain).abs().max()) <= bound
 
 
-def test_kernel_stays_out_of_row_blocked_and_mxfp4(ckpts):
-    _, model = _decode(ckpts["mxfp4"], torch.float32)
-    assert all(b._row is None for b in _blocks(model))  # packed experts run expert by expert
-    model = ShardedCausalLM(load_spec(ckpts["qwen3_moe"]), ParallelPlan(), 0, torch.float32, max_seq_len=8)
-    load_shard(model, ckpts["qwen3_moe"])
-    block = _blocks(model)[0]
-    x = torch.randn(1, block.gate.weight.shape[1])
-    with torch.no_grad(), row_blocked():
-        assert block._row_weights(x, torch.zeros_like(x)) is None
-    assert block._row_weights(x, torch.zeros_like(x))  # outside the mode it runs
+@pytest.mark.parametrize("name", ["mxfp4", "int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_packed_experts_in_one_call_equal_the_modules(ckpts, name, dtype, monkeypatch):
+    """Each picked expert's three products are the int kernel's, with the modules' flags (so their bits); only the
+    SwiGLU and the weighted sum are the kernel's own float32 roundings."""
+    fused, model = _decode(ckpts[name], dtype)
+    blocks = _blocks(model)
+    if blocks[0]._row_packed is None:
+        pytest.skip(f"no compiled experts_row_packed (or int kernel for {name}) on this machine")
+    assert all(b._row and b._row_packed is not None for b in blocks)
+    monkeypatch.setattr(packed_experts, "kernel", lambda dtype: None)
+    plain, model = _decode(ckpts[name], dtype)
+    assert all(b._row is None for b in _blocks(model))  # expert by expert
+    bound = 1e-5 if dtype == torch.float32 else 0.05
+    assert float((fused - plain).abs().max()) <= bound
+
+
+def test_kernel_stays_out_of_row_blocked(ckpts):
+    for name in ("qwen3_moe", "int4"):
+        model = ShardedCausalLM(load_spec(ckpts[name]), ParallelPlan(), 0, torch.float32, max_seq_len=8)
+        load_shard(model, ckpts[name])
+        block = _blocks(model)[0]
+        x = torch.randn(1, block.gate.weight.shape[1])
+        with torch.no_grad(), row_blocked():
+            assert block._row_weights(x, torch.zeros_like(x)) is None
+        assert block._row_weights(x, torch.zeros_like(x))  # outside the mode it runs

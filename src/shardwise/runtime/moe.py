@@ -17,7 +17,8 @@ Routing, as in transformers:
 MXFP4 checkpoints (``runtime.packed_weights``): routed-expert weights stay packed (uint8
 blocks + E8M0 scales, 4.25 bits per weight) and each picked expert's weights are decoded
 to the activation dtype for that one matmul (``runtime.mxfp4_matmul.mxfp4_matmul``), so nothing
-dequantized outlives the call.
+dequantized outlives the call. A one-row step runs the picked experts in one compiled call: float ones through
+``gemv.experts_kernel``, packed ones (MXFP4, int8 / int4) through ``runtime.packed_experts``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 
 from shardwise.plan import local_experts
 from shardwise.quant.layouts import BYTES_PER_BLOCK
-from shardwise.runtime import gemv
+from shardwise.runtime import gemv, packed_experts
 from shardwise.runtime.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -266,6 +267,10 @@ class SparseMoE(nn.Module):
         if row is None:
             return add_experts(out, flat, index, weights, self.local, lambda e, rows: self.experts[str(e)](rows)), False
         picks = row_picks(index, row)
+        if self._row_packed is not None:  # int / MXFP4 experts (runtime.packed_experts); shared experts: the caller's
+            if picks:
+                self._row_packed(flat[0].contiguous(), [row[e] for e, _ in picks], weights[0], [s for _, s in picks], out[0])
+            return out, False
         gate_up, down = [row[e][0] for e, _ in picks], [row[e][1] for e, _ in picks]
         slots, scales = [s for _, s in picks], weights[0]
         fold = shared and self._row_shared is not None
@@ -295,25 +300,27 @@ class SparseMoE(nn.Module):
         gate = self.shared_gate(x)
         return mlp(x) if gate is None else gate * mlp(x)
 
-    def _row_weights(self, x: torch.Tensor, out: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
-        """{expert: (gate|up weight, down weight)} for ``gemv.experts_kernel``, or None where a one-row
-        step runs expert by expert: no kernel for this dtype, not on CPU, inside ``exact.row_blocked()``
-        (every product row-invariant there), or experts that are not plain float SwiGLU with stacked
-        gate|up (MXFP4 or int weights, another activation); ``out`` must be in x's dtype. Decided at the
+    def _row_weights(self, x: torch.Tensor, out: torch.Tensor) -> dict | None:
+        """{expert: (gate|up weight, down weight)} for ``gemv.experts_kernel``, or {expert: its packed (gate, up,
+        down)} for ``packed_experts.kernel`` (int8 / int4 / MXFP4 experts: ``self._row_packed``), or None where a
+        one-row step runs expert by expert: no kernel for this dtype, not on CPU, inside ``exact.row_blocked()``
+        (every product row-invariant there), or experts that are not SwiGLU with stacked gate|up float weights or
+        packed ones the int kernel runs (another activation, biases); ``out`` must be in x's dtype. Decided at the
         first one-row step (after loading) and kept."""
-        if not gemv.applies(x) or out.dtype != x.dtype or gemv.experts_kernel(x.dtype) is None:
+        if not gemv.applies(x) or out.dtype != x.dtype:
             return None
         if not hasattr(self, "_row"):
-            row = {}
-            for e in self.local:
-                expert = self.experts[str(e)]
-                weights = _kernel_weights(expert, x.dtype, getattr(expert, expert.parts[2]))
-                if weights is None:
-                    row = None
-                    break
-                row[e] = weights
-            self._row = row
-            self._row_shared = _kernel_weights(self.shared_module(), x.dtype) if row is not None else None
+            experts = [(e, self.experts[str(e)]) for e in self.local]
+            self._row = self._row_shared = self._row_packed = None
+            if gemv.experts_kernel(x.dtype) is not None:
+                row = {e: _kernel_weights(expert, x.dtype, getattr(expert, expert.parts[2])) for e, expert in experts}
+                if all(w is not None for w in row.values()):
+                    self._row, self._row_shared = row, _kernel_weights(self.shared_module(), x.dtype)
+            if self._row is None and all(isinstance(ex, Expert) and ex.act is silu_and_mul for _, ex in experts):
+                row = {e: packed_experts.expert_parts(expert, x) for e, expert in experts}
+                if all(p is not None for p in row.values()):
+                    self._row_packed = packed_experts.kernel(x.dtype)
+                    self._row = row if self._row_packed is not None else None
         return self._row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

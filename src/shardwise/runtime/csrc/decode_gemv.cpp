@@ -9,6 +9,12 @@
 // runtime.gemv loads that library first. So only the elementwise steps differ from the torch path, by float32
 // rounding. Replaces ~8 small ops and a module call per expert, whose dispatch cost a decode step more than
 // their bytes.
+//
+// experts_row_packed: the same for packed experts (int8 / int4 IntWeight, MXFP4 blocks with E8M0 scales): gate, up and
+// down each through shardwise_int::int_matmul (int_matmul.cpp) with the arguments runtime.int_matmul.kernel_rows gives
+// the modules (so each product's bits are the module path's), the SwiGLU and weighted sum as above. A Qwen3-MoE-shaped
+// MXFP4 model (hidden 1024, 64 experts top-8, 6 layers; Xeon VM, 2 threads, bfloat16): decode 77 -> 117 tok/s, against
+// 84 for its BF16-expert twin through experts_row; int4 experts (stacked gate|up already) 115 -> 125.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +24,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 namespace {
 
@@ -49,22 +57,25 @@ inline float rounded(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-template <typename T>
-void add_experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, const float* w,
-                     at::IntArrayRef slots, at::Tensor& out, bool fixed_order) {
+// out += sum over experts i of w[slots[i]] * down(i, silu(gate) * up), (gate, up) = gate_up(i): each in T, rounded
+// as the torch ops it replaces round them.
+template <typename T, class GateUp, class Down>
+void add_experts_row(int64_t experts, const GateUp& gate_up, const Down& down, const float* w, at::IntArrayRef slots,
+                     at::Tensor& out) {
   T* o = out.data_ptr<T>();
   const int64_t H = out.numel();
-  for (size_t i = 0; i < gate_up.size(); ++i) {
-    const at::Tensor h = row_product(gate_up[i], x, fixed_order);  // gate | up, in the run dtype
-    const int64_t I = h.numel() / 2;
-    const T* hp = h.data_ptr<T>();
-    at::Tensor a = at::empty({I}, x.options());
+  for (int64_t i = 0; i < experts; ++i) {
+    const auto [gate, up] = gate_up(i);  // in the run dtype
+    const int64_t I = gate.numel();
+    const T* gp = gate.template data_ptr<T>();
+    const T* up_p = up.template data_ptr<T>();
+    at::Tensor a = at::empty({I}, out.options());
     T* ap = a.data_ptr<T>();
     for (int64_t j = 0; j < I; ++j) {
-      const float g = static_cast<float>(hp[j]);
-      ap[j] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * static_cast<float>(hp[I + j]));
+      const float g = static_cast<float>(gp[j]);
+      ap[j] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up_p[j]));
     }
-    const at::Tensor y = row_product(down[i], a, fixed_order);
+    const at::Tensor y = down(i, a);
     const T* yp = y.data_ptr<T>();
     const float weight = w[slots[i]];
     for (int64_t c = 0; c < H; ++c)
@@ -72,10 +83,21 @@ void add_experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList
   }
 }
 
-void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, const at::Tensor& weights,
-                 at::IntArrayRef slots, at::Tensor& out, bool fixed_order) {
+// The router weights as float32 and the slots checked; runs body<T>(w) in x's dtype.
+template <class Body>
+void in_run_dtype(const at::Tensor& x, const at::Tensor& weights, at::IntArrayRef slots, const at::Tensor& out, const Body& body) {
   TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && out.dim() == 1 && out.is_contiguous() &&
                   out.scalar_type() == x.scalar_type(), "x and out must be contiguous vectors of one dtype");
+  const at::Tensor w = weights.to(at::kFloat).contiguous();
+  for (const int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < w.numel(), "slot out of range");
+  if (x.scalar_type() == at::kBFloat16)
+    body(c10::BFloat16{}, w.data_ptr<float>());
+  else
+    body(float{}, w.data_ptr<float>());
+}
+
+void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, const at::Tensor& weights,
+                 at::IntArrayRef slots, at::Tensor& out, bool fixed_order) {
   TORCH_CHECK(gate_up.size() == down.size() && down.size() == slots.size(), "one gate_up, down and slot per expert");
   for (size_t i = 0; i < down.size(); ++i)
     TORCH_CHECK(gate_up[i].dim() == 2 && gate_up[i].size(1) == x.numel() && gate_up[i].size(0) % 2 == 0 &&
@@ -83,12 +105,55 @@ void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList dow
                     gate_up[i].is_contiguous() && down[i].is_contiguous() &&
                     gate_up[i].scalar_type() == x.scalar_type() && down[i].scalar_type() == x.scalar_type(),
                 "expert weights must be contiguous gate|up [2I, H] and down [H, I] in x's dtype");
-  const at::Tensor w = weights.to(at::kFloat).contiguous();
-  for (const int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < w.numel(), "slot out of range");
-  if (x.scalar_type() == at::kBFloat16)
-    add_experts_row<c10::BFloat16>(x, gate_up, down, w.data_ptr<float>(), slots, out, fixed_order);
-  else
-    add_experts_row<float>(x, gate_up, down, w.data_ptr<float>(), slots, out, fixed_order);
+  in_run_dtype(x, weights, slots, out, [&](auto t, const float* w) {
+    add_experts_row<decltype(t)>(int64_t(down.size()), [&](int64_t i) {
+      const at::Tensor h = row_product(gate_up[i], x, fixed_order);  // gate | up
+      const int64_t I = h.numel() / 2;
+      return std::make_pair(h.narrow(0, 0, I), h.narrow(0, I, I));
+    }, [&](int64_t i, const at::Tensor& a) { return row_product(down[i], a, fixed_order); }, w, slots, out);
+  });
+}
+
+using IntOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                                  std::optional<at::ScalarType>, bool, bool, bool)>;
+
+// shardwise_int::int_matmul (int_matmul.cpp), looked up once: runtime.int_matmul loads that library first.
+const IntOp& int_op() {
+  static const IntOp op = c10::Dispatcher::singleton().findSchemaOrThrow("shardwise_int::int_matmul", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                        std::optional<at::ScalarType>, bool, bool, bool)>();
+  return op;
+}
+
+// x [K] in the run dtype times a packed weight (q, its scales s; `bits`) -> [N] in x's dtype, as IntWeight and
+// mxfp4_matmul run one row; flags = [widen x to float32 first, the kernel's pairs, q8, i16].
+at::Tensor packed_product(const at::Tensor& q, const at::Tensor& s, int64_t bits, const at::Tensor& x, at::IntArrayRef flags) {
+  const int64_t K = x.numel();
+  TORCH_CHECK(q.dim() == 2 && s.dim() == 2 && q.size(1) * 8 == K * bits && s.size(0) == q.size(0) && K % s.size(1) == 0,
+              "packed expert weights must be q [N, K * bits / 8] and scales [N, K / group] for x of K");
+  const at::Tensor row = x.view({1, K});
+  return int_op().call(flags[0] ? row.to(at::kFloat) : row, q, s, bits, K / s.size(1), x.scalar_type(), flags[1] != 0,
+                       flags[2] != 0, flags[3] != 0).view({q.size(0)});
+}
+
+// experts_row for packed int8 / int4 / MXFP4 experts: gate, up and down as (q, scales) each, every product through
+// shardwise_int::int_matmul with the flags runtime.int_matmul.kernel_rows gives (in_flags: gate and up; down_flags).
+void experts_row_packed(const at::Tensor& x, at::TensorList gate_q, at::TensorList gate_s, at::TensorList up_q,
+                        at::TensorList up_s, at::TensorList down_q, at::TensorList down_s, int64_t bits,
+                        const at::Tensor& weights, at::IntArrayRef slots, at::Tensor& out, at::IntArrayRef in_flags,
+                        at::IntArrayRef down_flags) {
+  const size_t n = slots.size();
+  TORCH_CHECK(gate_q.size() == n && gate_s.size() == n && up_q.size() == n && up_s.size() == n && down_q.size() == n &&
+              down_s.size() == n, "one gate, up and down (q and scales) and slot per expert");
+  TORCH_CHECK(in_flags.size() == 4 && down_flags.size() == 4, "flags are [widen, pairs, q8, i16]");
+  in_run_dtype(x, weights, slots, out, [&](auto t, const float* w) {
+    add_experts_row<decltype(t)>(int64_t(n), [&](int64_t i) {
+      return std::make_pair(packed_product(gate_q[i], gate_s[i], bits, x, in_flags),
+                            packed_product(up_q[i], up_s[i], bits, x, in_flags));
+    }, [&](int64_t i, const at::Tensor& a) {
+      return packed_product(down_q[i], down_s[i], bits, a, down_flags);
+    }, w, slots, out);
+  });
 }
 
 }  // namespace
@@ -96,4 +161,7 @@ void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList dow
 TORCH_LIBRARY(shardwise_gemv, m) {
   m.def("experts_row(Tensor x, Tensor[] gate_up, Tensor[] down, Tensor weights, int[] slots, Tensor(a!) out, bool fixed_order) -> ()",
         &experts_row);
+  m.def("experts_row_packed(Tensor x, Tensor[] gate_q, Tensor[] gate_s, Tensor[] up_q, Tensor[] up_s, Tensor[] down_q, "
+        "Tensor[] down_s, int bits, Tensor weights, int[] slots, Tensor(a!) out, int[] in_flags, int[] down_flags) -> ()",
+        &experts_row_packed);
 }

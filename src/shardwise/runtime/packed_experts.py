@@ -1,0 +1,76 @@
+"""A MoE block's packed routed experts (int8 / int4 ``IntWeight`` or MXFP4 blocks) for one row of a decode step, in
+one call: ``shardwise_gemv.experts_row_packed`` (``csrc/decode_gemv.cpp``) runs each picked expert's gate, up and
+down products through the int kernel (``runtime.int_matmul``: the ops and flags the modules would use, so the
+products' bits are theirs), the SwiGLU between them and the weighted sum, in place of ~15 module and torch calls per
+expert (three products, the activation, the weighting, the sum), each of which runs with cold caches after a weight
+stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from shardwise.runtime import cpp_ops, gemv, int_matmul
+from shardwise.runtime.int_matmul import IntWeight, activations, kernel_rows
+from shardwise.runtime.mxfp4_matmul import _packed_kernel
+
+
+class Packed(NamedTuple):
+    """One packed projection as the int kernel reads it: q uint8 [N, K/2] (4 bits) or int8 [N, K], its scales
+    [N, K / group] (bfloat16 / float32, or MXFP4's E8M0 bytes), bits, and whether its rows are whole 128-weight
+    lines (int8 rows and the integer grids apply: ``IntWeight.takes_int8_rows``)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    bits: int
+    lines: bool
+
+
+def packed(linear, x: torch.Tensor) -> Packed | None:
+    """``linear``'s weight as ``Packed`` where the module would run one row ``x`` through the int kernel (an
+    ``IntWeight``; MXFP4 blocks where ``mxfp4_matmul`` multiplies them packed), else None."""
+    w = getattr(linear, "weight", None)
+    if isinstance(w, IntWeight):
+        return Packed(w.q, w.scale, w.bits, w.takes_int8_rows)
+    if getattr(linear, "packed", False) and getattr(linear, "bias", None) is None:
+        scale, blocks = linear.weight_scale, linear.weight_packed
+        if _packed_kernel(x, blocks) is None:
+            return None
+        q = blocks.view(scale.shape[0], -1)
+        return Packed(q, scale, 4, q.shape[1] * 2 % 128 == 0)
+    return None
+
+
+def expert_parts(expert, x: torch.Tensor) -> tuple[Packed, Packed, Packed] | None:
+    """(gate, up, down) of a SwiGLU ``moe.Expert`` as ``Packed``, all of one bit width, or None."""
+    parts = tuple(packed(getattr(expert, name), x) for name in expert.parts)
+    if any(p is None for p in parts) or len({p.bits for p in parts}) != 1:
+        return None
+    return parts
+
+
+def kernel(dtype: torch.dtype) -> Callable | None:
+    """``run`` below where ``shardwise_gemv.experts_row_packed`` builds here (and the int kernel it calls), for rows
+    of ``dtype`` (float32 / bfloat16), else None."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    int_matmul.kernel()  # the op experts_row_packed looks up in the dispatcher
+    op = cpp_ops.optional_op(gemv.SOURCE, "shardwise_gemv", "experts_row_packed")
+    return None if op is None else lambda *args: run(op, *args)
+
+
+def run(op, x: torch.Tensor, experts: list[tuple[Packed, Packed, Packed]], weights: torch.Tensor, slots: list[int],
+        out: torch.Tensor) -> None:
+    """``out`` [H] += sum over ``experts`` (gate, up, down) of ``weights[slots[i]]`` x expert i's output for the row
+    ``x`` [H], through ``op`` with the flags ``kernel_rows`` gives the modules now."""
+    gate, _, down = experts[0]
+    int8 = activations() == "int8"
+    flags = []
+    for part in (gate, down):  # [widen to float32, pairs, q8, i16] as the module's kernel_rows decides them
+        rows, (pairs, q8, i16) = kernel_rows(x.view(1, -1), part.bits, int8 and part.lines, part.lines)
+        flags.append([int(rows.dtype != x.dtype), int(pairs), int(q8), int(i16)])
+    lists = [[e[k][field] for e in experts] for k in range(3) for field in (0, 1)]  # gate q, gate scales, up ..., down ...
+    op(x, *lists, gate.bits, weights, slots, out, *flags)
