@@ -208,7 +208,7 @@ def test_mxfp4_matmul_of_few_rows_reads_the_packed_bytes():
     blocks, scales = torch.from_numpy(blocks), torch.from_numpy(scales)
     x, bias = torch.randn(7, 256), torch.randn(48)
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        assert rt._packed_kernel(x, blocks) is not None
+        assert rt.packed_kernel(x, blocks) is not None
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
         got = rt.mxfp4_matmul(x.to(dtype), blocks, scales, bias)
         ref = torch.nn.functional.linear(x.to(dtype).double(), dense, bias.to(dtype).double())

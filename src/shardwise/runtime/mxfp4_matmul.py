@@ -90,7 +90,7 @@ def mxfp4_matmul(
             f"and blocks [out, in/32, {_BYTES_PER_BLOCK}] with the same in: check the weight's input dimension"
         )
     rows = x.reshape(-1, x.shape[-1])
-    op = _packed_kernel(rows, blocks)
+    op = packed_kernel(rows, blocks)
     if op is None:
         return F.linear(x, decode(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
     lines = rows.shape[1] % 128 == 0
@@ -100,7 +100,7 @@ def mxfp4_matmul(
     return y if bias is None else y + bias.to(x.dtype)
 
 
-def _packed_kernel(rows: torch.Tensor, blocks: torch.Tensor):
+def packed_kernel(rows: torch.Tensor, blocks: torch.Tensor):
     """``int_matmul``'s compiled op where it runs these rows on the packed bytes (see the module docstring),
     else None: not an AVX-512 CPU or no compiler, another device or dtype, non-contiguous blocks, or a pass of
     ``GEMM_ROWS`` or more rows outside ``exact.row_blocked()`` (one dense product is faster there)."""

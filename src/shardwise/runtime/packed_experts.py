@@ -15,7 +15,7 @@ import torch
 
 from shardwise.runtime import cpp_ops, gemv, int_matmul
 from shardwise.runtime.int_matmul import IntWeight, activations, kernel_rows
-from shardwise.runtime.mxfp4_matmul import _packed_kernel
+from shardwise.runtime.mxfp4_matmul import packed_kernel
 
 
 class Packed(NamedTuple):
@@ -37,7 +37,7 @@ def packed(linear, x: torch.Tensor) -> Packed | None:
         return Packed(w.q, w.scale, w.bits, w.takes_int8_rows)
     if getattr(linear, "packed", False) and getattr(linear, "bias", None) is None:
         scale, blocks = linear.weight_scale, linear.weight_packed
-        if _packed_kernel(x, blocks) is None:
+        if packed_kernel(x, blocks) is None:
             return None
         q = blocks.view(scale.shape[0], -1)
         return Packed(q, scale, 4, q.shape[1] * 2 % 128 == 0)
@@ -55,9 +55,9 @@ def expert_parts(expert, x: torch.Tensor) -> tuple[Packed, Packed, Packed] | Non
 def kernel(dtype: torch.dtype) -> Callable | None:
     """``run`` below where ``shardwise_gemv.experts_row_packed`` builds here (and the int kernel it calls), for rows
     of ``dtype`` (float32 / bfloat16), else None."""
-    if dtype not in (torch.float32, torch.bfloat16):
+    # the int kernel first: experts_row_packed looks its op up in the dispatcher
+    if dtype not in (torch.float32, torch.bfloat16) or cpp_ops.optional_op(int_matmul.SOURCE, "shardwise_int", "int_matmul") is None:
         return None
-    int_matmul.kernel()  # the op experts_row_packed looks up in the dispatcher
     op = cpp_ops.optional_op(gemv.SOURCE, "shardwise_gemv", "experts_row_packed")
     return None if op is None else lambda *args: run(op, *args)
 
