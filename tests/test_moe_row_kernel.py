@@ -2,7 +2,7 @@
 experts, order and roundings as the torch ops it replaces, for the routings and expert layouts that
 take it (Qwen3-MoE softmax top-k, DeepSeek-V3 sigmoid with shared experts, Qwen3.5's sigmoid-gated
 shared expert — the shared experts run in the same call, as its last expert), float32 and bfloat16; packed
-experts (MXFP4, int4, int8) through ``experts_row_packed`` (``runtime/packed_experts.py``) the same way; kept out of
+experts (MXFP4, int4, int8; Kimi K3's SiTU experts in its latent MoE) through ``experts_row_packed`` (``runtime/packed_experts.py``) the same way; kept out of
 ``exact.row_blocked()``."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def ckpts(tmp_path_factory):
         "deepseek": make_checkpoint("deepseek-v3", "tiny", root / "deepseek", seed=5),
         "qwen3_5": make_checkpoint("qwen3.5-35b-a3b", "tiny", root / "qwen3_5", seed=7),
         "mxfp4": make_checkpoint("qwen3-30b-a3b", "tiny", root / "mxfp4", seed=6, quant="mxfp4"),
+        "kimi_k3_mxfp4": make_checkpoint("kimi-k3", "tiny", root / "kimi_k3", seed=9, quant="mxfp4"),
         **{fmt: quantize_checkpoint(make_checkpoint("qwen3-30b-a3b", "tiny", root / f"float-{fmt}", seed=8),
                                     root / fmt, fmt, compare=False) and root / fmt for fmt in ("int4", "int8")},
     }
@@ -63,17 +64,18 @@ def test_one_row_experts_in_one_call_equal_the_torch_ops(ckpts, name, dtype, mon
     assert float((fused - plain).abs().max()) <= bound
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "int4", "int8"])
+@pytest.mark.parametrize("name", ["mxfp4", "int4", "int8", "kimi_k3_mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_row_packed_experts_in_one_call_equal_the_modules(ckpts, name, dtype, monkeypatch):
     """Each picked expert's three products are the int kernel's, with the modules' flags (so their bits); only the
-    SwiGLU and the weighted sum are the kernel's own float32 roundings."""
+    activation (SiLU; Kimi K3's SiTU, whose latent MoE sums its experts in float32 with float32 router weights) and
+    the weighted sum are the kernel's own float32 roundings."""
     fused, model = _decode(ckpts[name], dtype)
     blocks = _blocks(model)
     if blocks[0]._row_packed is None:
         pytest.skip(f"no compiled experts_row_packed (or int kernel for {name}) on this machine")
     assert all(b._row and b._row_packed is not None for b in blocks)
-    monkeypatch.setattr(packed_experts, "kernel", lambda dtype: None)
+    monkeypatch.setattr(packed_experts, "kernel", lambda dtype, act: None)
     plain, model = _decode(ckpts[name], dtype)
     assert all(b._row is None for b in _blocks(model))  # expert by expert
     bound = 1e-5 if dtype == torch.float32 else 0.05

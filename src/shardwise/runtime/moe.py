@@ -69,7 +69,16 @@ def situ_and_mul(beta: float, linear_beta: float | None) -> Activation:
             u = linear_beta * torch.tanh(u / linear_beta)
         return (g * u).to(gate.dtype)
 
+    act.situ = (beta, linear_beta)  # what a compiled expert call needs to compute it (act_args)
     return act
+
+
+def act_args(act: Activation) -> tuple[int, float, float] | None:
+    """``act`` as ``packed_experts.kernel`` takes it: (0, 0, 0) SiLU, (1, β, β_l or 0) SiTU; None for any other."""
+    if act is silu_and_mul:
+        return 0, 0.0, 0.0
+    situ = getattr(act, "situ", None)
+    return None if situ is None else (1, float(situ[0]), float(situ[1] or 0.0))
 
 
 def activation(config) -> Activation:
@@ -305,9 +314,9 @@ class SparseMoE(nn.Module):
         down)} for ``packed_experts.kernel`` (int8 / int4 / MXFP4 experts: ``self._row_packed``), or None where a
         one-row step runs expert by expert: no kernel for this dtype, not on CPU, inside ``exact.row_blocked()``
         (every product row-invariant there), or experts that are not SwiGLU with stacked gate|up float weights or
-        packed ones the int kernel runs (another activation, biases); ``out`` must be in x's dtype. Decided at the
-        first one-row step (after loading) and kept."""
-        if not gemv.applies(x) or out.dtype != x.dtype:
+        packed ones the int kernel runs (SiLU or SiTU; another activation, biases); ``out`` must be in x's dtype (or,
+        packed experts, float32: a latent MoE's sum). Decided at the first one-row step (after loading) and kept."""
+        if not gemv.applies(x) or out.dtype not in (x.dtype, torch.float32):
             return None
         if not hasattr(self, "_row"):
             experts = [(e, self.experts[str(e)]) for e in self.local]
@@ -316,12 +325,13 @@ class SparseMoE(nn.Module):
                 row = {e: _kernel_weights(expert, x.dtype, getattr(expert, expert.parts[2])) for e, expert in experts}
                 if all(w is not None for w in row.values()):
                     self._row, self._row_shared = row, _kernel_weights(self.shared_module(), x.dtype)
-            if self._row is None and all(isinstance(ex, Expert) and ex.act is silu_and_mul for _, ex in experts):
+            acts = {act_args(ex.act) if isinstance(ex, Expert) else None for _, ex in experts}
+            if self._row is None and len(acts) == 1 and None not in acts:
                 row = {e: packed_experts.expert_parts(expert, x) for e, expert in experts}
                 if all(p is not None for p in row.values()):
-                    self._row_packed = packed_experts.kernel(x.dtype)
+                    self._row_packed = packed_experts.kernel(x.dtype, *acts)
                     self._row = row if self._row_packed is not None else None
-        return self._row
+        return self._row if self._row_packed is not None or out.dtype == x.dtype else None  # float: out in x's dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -52,20 +52,20 @@ def expert_parts(expert, x: torch.Tensor) -> tuple[Packed, Packed, Packed] | Non
     return parts
 
 
-def kernel(dtype: torch.dtype) -> Callable | None:
+def kernel(dtype: torch.dtype, act: tuple[int, float, float]) -> Callable | None:
     """``run`` below where ``shardwise_gemv.experts_row_packed`` builds here (and the int kernel it calls), for rows
-    of ``dtype`` (float32 / bfloat16), else None."""
+    of ``dtype`` (float32 / bfloat16) and the experts' activation ``act`` (``moe.act_args``), else None."""
     # the int kernel first: experts_row_packed looks its op up in the dispatcher
     if dtype not in (torch.float32, torch.bfloat16) or cpp_ops.optional_op(int_matmul.SOURCE, "shardwise_int", "int_matmul") is None:
         return None
     op = cpp_ops.optional_op(gemv.SOURCE, "shardwise_gemv", "experts_row_packed")
-    return None if op is None else lambda *args: run(op, *args)
+    return None if op is None else lambda *args: run(op, *args, act=act)
 
 
 def run(op, x: torch.Tensor, experts: list[tuple[Packed, Packed, Packed]], weights: torch.Tensor, slots: list[int],
-        out: torch.Tensor) -> None:
-    """``out`` [H] += sum over ``experts`` (gate, up, down) of ``weights[slots[i]]`` x expert i's output for the row
-    ``x`` [H], through ``op`` with the flags ``kernel_rows`` gives the modules now."""
+        out: torch.Tensor, act: tuple[int, float, float]) -> None:
+    """``out`` [H] (x's dtype, or float32) += sum over ``experts`` (gate, up, down) of ``weights[slots[i]]`` x expert
+    i's output for the row ``x`` [H], through ``op`` with the flags ``kernel_rows`` gives the modules now."""
     gate, _, down = experts[0]
     int8 = activations() == "int8"
     flags = []
@@ -73,4 +73,4 @@ def run(op, x: torch.Tensor, experts: list[tuple[Packed, Packed, Packed]], weigh
         rows, (pairs, q8, i16) = kernel_rows(x.view(1, -1), part.bits, int8 and part.lines, part.lines)
         flags.append([int(rows.dtype != x.dtype), int(pairs), int(q8), int(i16)])
     lists = [[e[k][field] for e in experts] for k in range(3) for field in (0, 1)]  # gate q, gate scales, up ..., down ...
-    op(x, *lists, gate.bits, weights, slots, out, *flags)
+    op(x, *lists, gate.bits, weights, slots, out, *flags, *act)

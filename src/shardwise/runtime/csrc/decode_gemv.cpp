@@ -14,7 +14,8 @@
 // down each through shardwise_int::int_matmul (int_matmul.cpp) with the arguments runtime.int_matmul.kernel_rows gives
 // the modules (so each product's bits are the module path's), the SwiGLU and weighted sum as above. A Qwen3-MoE-shaped
 // MXFP4 model (hidden 1024, 64 experts top-8, 6 layers; Xeon VM, 2 threads, bfloat16): decode 77 -> 117 tok/s, against
-// 84 for its BF16-expert twin through experts_row; int4 experts (stacked gate|up already) 115 -> 125.
+// 84 for its BF16-expert twin through experts_row; int4 experts (stacked gate|up already) 115 -> 125. It also takes
+// Kimi K3's SiTU-GLU experts and its latent MoE's float32 sum (out float32, router weights float32).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -57,43 +58,63 @@ inline float rounded(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// out += sum over experts i of w[slots[i]] * down(i, silu(gate) * up), (gate, up) = gate_up(i): each in T, rounded
-// as the torch ops it replaces round them.
-template <typename T, class GateUp, class Down>
-void add_experts_row(int64_t experts, const GateUp& gate_up, const Down& down, const float* w, at::IntArrayRef slots,
-                     at::Tensor& out) {
-  T* o = out.data_ptr<T>();
+// How an expert's gate and up meet: kind 0, moe.silu_and_mul (F.silu(gate) rounded to T, times up, rounded); kind 1,
+// moe.situ_and_mul (beta tanh(gate / beta) sigmoid(gate) times up — first squashed to lb tanh(up / lb) where lb != 0 —
+// in float32, rounded to T once).
+struct Act {
+  int64_t kind;
+  float beta, linear_beta;
+};
+
+template <typename T>
+inline T activate(float g, float u, const Act& act) {
+  if (act.kind == 0) return static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * u);
+  const float s = act.beta * std::tanh(g / act.beta) * (1.f / (1.f + std::exp(-g)));
+  if (act.linear_beta != 0.f) u = act.linear_beta * std::tanh(u / act.linear_beta);
+  return static_cast<T>(s * u);
+}
+
+// out (O) += sum over experts i of w[slots[i]] * down(i, act(gate, up)), (gate, up) = gate_up(i), each in T (the run
+// dtype), rounded as the torch ops it replaces round them: the weighted output in T, or in float32 where the router
+// weights are float32 (`weights_float`), then in O, added in O (a latent MoE sums in float32).
+template <typename T, typename O, class GateUp, class Down>
+void add_experts_row(int64_t experts, const GateUp& gate_up, const Down& down, const float* w, bool weights_float,
+                     at::IntArrayRef slots, const Act& act, at::Tensor& out) {
+  O* o = out.data_ptr<O>();
   const int64_t H = out.numel();
   for (int64_t i = 0; i < experts; ++i) {
     const auto [gate, up] = gate_up(i);  // in the run dtype
     const int64_t I = gate.numel();
     const T* gp = gate.template data_ptr<T>();
     const T* up_p = up.template data_ptr<T>();
-    at::Tensor a = at::empty({I}, out.options());
+    at::Tensor a = at::empty({I}, gate.options());
     T* ap = a.data_ptr<T>();
-    for (int64_t j = 0; j < I; ++j) {
-      const float g = static_cast<float>(gp[j]);
-      ap[j] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up_p[j]));
-    }
+    for (int64_t j = 0; j < I; ++j) ap[j] = activate<T>(static_cast<float>(gp[j]), static_cast<float>(up_p[j]), act);
     const at::Tensor y = down(i, a);
     const T* yp = y.data_ptr<T>();
     const float weight = w[slots[i]];
-    for (int64_t c = 0; c < H; ++c)
-      o[c] = static_cast<T>(static_cast<float>(o[c]) + rounded<T>(static_cast<float>(yp[c]) * weight));
+    for (int64_t c = 0; c < H; ++c) {
+      const float product = static_cast<float>(yp[c]) * weight;
+      o[c] = static_cast<O>(static_cast<float>(o[c]) + rounded<O>(weights_float ? product : rounded<T>(product)));
+    }
   }
 }
 
-// The router weights as float32 and the slots checked; runs body<T>(w) in x's dtype.
+// The router weights as float32 and the slots checked; runs body(T{}, O{}, w) for x's dtype T and out's O (O = T,
+// or float32 for bfloat16 x).
 template <class Body>
 void in_run_dtype(const at::Tensor& x, const at::Tensor& weights, at::IntArrayRef slots, const at::Tensor& out, const Body& body) {
   TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && out.dim() == 1 && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type(), "x and out must be contiguous vectors of one dtype");
+                  (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat),
+              "x and out must be contiguous vectors, out of x's dtype or float32");
   const at::Tensor w = weights.to(at::kFloat).contiguous();
   for (const int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < w.numel(), "slot out of range");
-  if (x.scalar_type() == at::kBFloat16)
-    body(c10::BFloat16{}, w.data_ptr<float>());
+  if (x.scalar_type() != at::kBFloat16)
+    body(float{}, float{}, w.data_ptr<float>());
+  else if (out.scalar_type() == at::kFloat)
+    body(c10::BFloat16{}, float{}, w.data_ptr<float>());
   else
-    body(float{}, w.data_ptr<float>());
+    body(c10::BFloat16{}, c10::BFloat16{}, w.data_ptr<float>());
 }
 
 void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, const at::Tensor& weights,
@@ -105,12 +126,14 @@ void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList dow
                     gate_up[i].is_contiguous() && down[i].is_contiguous() &&
                     gate_up[i].scalar_type() == x.scalar_type() && down[i].scalar_type() == x.scalar_type(),
                 "expert weights must be contiguous gate|up [2I, H] and down [H, I] in x's dtype");
-  in_run_dtype(x, weights, slots, out, [&](auto t, const float* w) {
-    add_experts_row<decltype(t)>(int64_t(down.size()), [&](int64_t i) {
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out must be in x's dtype");
+  in_run_dtype(x, weights, slots, out, [&](auto t, auto o, const float* w) {
+    add_experts_row<decltype(t), decltype(o)>(int64_t(down.size()), [&](int64_t i) {
       const at::Tensor h = row_product(gate_up[i], x, fixed_order);  // gate | up
       const int64_t I = h.numel() / 2;
       return std::make_pair(h.narrow(0, 0, I), h.narrow(0, I, I));
-    }, [&](int64_t i, const at::Tensor& a) { return row_product(down[i], a, fixed_order); }, w, slots, out);
+    }, [&](int64_t i, const at::Tensor& a) { return row_product(down[i], a, fixed_order); }, w, false, slots, Act{0, 0.f, 0.f},
+        out);
   });
 }
 
@@ -141,18 +164,19 @@ at::Tensor packed_product(const at::Tensor& q, const at::Tensor& s, int64_t bits
 void experts_row_packed(const at::Tensor& x, at::TensorList gate_q, at::TensorList gate_s, at::TensorList up_q,
                         at::TensorList up_s, at::TensorList down_q, at::TensorList down_s, int64_t bits,
                         const at::Tensor& weights, at::IntArrayRef slots, at::Tensor& out, at::IntArrayRef in_flags,
-                        at::IntArrayRef down_flags) {
+                        at::IntArrayRef down_flags, int64_t act, double beta, double linear_beta) {
   const size_t n = slots.size();
   TORCH_CHECK(gate_q.size() == n && gate_s.size() == n && up_q.size() == n && up_s.size() == n && down_q.size() == n &&
               down_s.size() == n, "one gate, up and down (q and scales) and slot per expert");
   TORCH_CHECK(in_flags.size() == 4 && down_flags.size() == 4, "flags are [widen, pairs, q8, i16]");
-  in_run_dtype(x, weights, slots, out, [&](auto t, const float* w) {
-    add_experts_row<decltype(t)>(int64_t(n), [&](int64_t i) {
+  TORCH_CHECK(act == 0 || (act == 1 && beta != 0.), "act is 0 (SiLU) or 1 (SiTU, beta != 0)");
+  in_run_dtype(x, weights, slots, out, [&](auto t, auto o, const float* w) {
+    add_experts_row<decltype(t), decltype(o)>(int64_t(n), [&](int64_t i) {
       return std::make_pair(packed_product(gate_q[i], gate_s[i], bits, x, in_flags),
                             packed_product(up_q[i], up_s[i], bits, x, in_flags));
     }, [&](int64_t i, const at::Tensor& a) {
       return packed_product(down_q[i], down_s[i], bits, a, down_flags);
-    }, w, slots, out);
+    }, w, weights.scalar_type() == at::kFloat, slots, Act{act, float(beta), float(linear_beta)}, out);
   });
 }
 
@@ -162,6 +186,7 @@ TORCH_LIBRARY(shardwise_gemv, m) {
   m.def("experts_row(Tensor x, Tensor[] gate_up, Tensor[] down, Tensor weights, int[] slots, Tensor(a!) out, bool fixed_order) -> ()",
         &experts_row);
   m.def("experts_row_packed(Tensor x, Tensor[] gate_q, Tensor[] gate_s, Tensor[] up_q, Tensor[] up_s, Tensor[] down_q, "
-        "Tensor[] down_s, int bits, Tensor weights, int[] slots, Tensor(a!) out, int[] in_flags, int[] down_flags) -> ()",
+        "Tensor[] down_s, int bits, Tensor weights, int[] slots, Tensor(a!) out, int[] in_flags, int[] down_flags, int act, "
+        "float beta, float linear_beta) -> ()",
         &experts_row_packed);
 }
