@@ -2,7 +2,7 @@
 experts, order and roundings as the torch ops it replaces, for the routings and expert layouts that
 take it (Qwen3-MoE softmax top-k, DeepSeek-V3 sigmoid with shared experts, Qwen3.5's sigmoid-gated
 shared expert — the shared experts run in the same call, as its last expert), float32 and bfloat16; packed
-experts (MXFP4, int4, int8; Kimi K3's SiTU experts in its latent MoE) through ``experts_row_packed`` (``runtime/packed_experts.py``) the same way; kept out of
+experts (MXFP4, int4, int8; Kimi K3's SiTU experts in its latent MoE; gpt-oss's fused ones) through ``experts_row_packed`` (``runtime/packed_experts.py``) the same way; kept out of
 ``exact.row_blocked()``."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shardwise.runtime.checkpoint import make_checkpoint
 from shardwise.runtime.exact import row_blocked
 from shardwise.runtime.loader import load_shard, load_spec
 from shardwise.runtime.model import ShardedCausalLM
-from shardwise.runtime.moe import SparseMoE
+from shardwise.runtime.moe import FusedExperts, SparseMoE
 from shardwise.runtime.quantize_checkpoint import quantize_checkpoint
 
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 64, 2, 8, 31, 77, 120, 9]
@@ -31,6 +31,7 @@ def ckpts(tmp_path_factory):
         "qwen3_5": make_checkpoint("qwen3.5-35b-a3b", "tiny", root / "qwen3_5", seed=7),
         "mxfp4": make_checkpoint("qwen3-30b-a3b", "tiny", root / "mxfp4", seed=6, quant="mxfp4"),
         "kimi_k3_mxfp4": make_checkpoint("kimi-k3", "tiny", root / "kimi_k3", seed=9, quant="mxfp4"),
+        "gpt_oss_mxfp4": make_checkpoint("gpt-oss-20b", "tiny", root / "gpt_oss", seed=10, quant="mxfp4"),
         **{fmt: quantize_checkpoint(make_checkpoint("qwen3-30b-a3b", "tiny", root / f"float-{fmt}", seed=8),
                                     root / fmt, fmt, compare=False) and root / fmt for fmt in ("int4", "int8")},
     }
@@ -78,6 +79,21 @@ def test_one_row_packed_experts_in_one_call_equal_the_modules(ckpts, name, dtype
     monkeypatch.setattr(packed_experts, "kernel", lambda dtype, act: None)
     plain, model = _decode(ckpts[name], dtype)
     assert all(b._row is None for b in _blocks(model))  # expert by expert
+    bound = 1e-5 if dtype == torch.float32 else 0.05
+    assert float((fused - plain).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_gpt_oss_experts_in_one_call_equal_the_modules(ckpts, dtype, monkeypatch):
+    """gpt-oss's fused MXFP4 experts (interleaved gate|up, biases, the clamped SwiGLU) the same way."""
+    fused, model = _decode(ckpts["gpt_oss_mxfp4"], dtype)
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    if experts[0]._row_run is None:
+        pytest.skip("no compiled experts_row_packed (or MXFP4 int kernel) on this machine")
+    assert all(e._row_run is not None for e in experts)
+    monkeypatch.setattr(packed_experts, "kernel", lambda dtype, act: None)
+    plain, model = _decode(ckpts["gpt_oss_mxfp4"], dtype)
+    assert all(e._row_run is None for e in model.modules() if isinstance(e, FusedExperts))
     bound = 1e-5 if dtype == torch.float32 else 0.05
     assert float((fused - plain).abs().max()) <= bound
 

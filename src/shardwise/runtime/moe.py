@@ -400,8 +400,30 @@ class FusedExperts(nn.Module):
         return self._project("down_proj", h, i, self.down_proj_bias[i] if self.add_down_bias else None)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return add_experts(torch.zeros_like(x), x, index, weights, range(self.first, self.first + self.count),
-                           lambda e, rows: self._expert(rows, e - self.first))
+        local = range(self.first, self.first + self.count)
+        row = self._row_kernel(x) if x.shape[0] == 1 else None
+        if row is None:
+            return add_experts(torch.zeros_like(x), x, index, weights, local, lambda e, rows: self._expert(rows, e - self.first))
+        out, picks = torch.zeros_like(x), row_picks(index, local)  # one call (runtime.packed_experts), as add_experts sums
+        if picks:
+            i = [e - self.first for e, _ in picks]
+            biases = ([self.gate_up_proj_bias[k] for k in i], [self.down_proj_bias[k] for k in i] if self.add_down_bias else [])
+            row(x[0].contiguous(), [self._row[k] for k in i], weights[0], [s for _, s in picks], out[0], biases=biases)
+        return out
+
+    def _row_kernel(self, x: torch.Tensor):
+        """``packed_experts.kernel`` for a one-row step of MXFP4 experts (``self._row``: each expert's packed gate|up
+        and down), or None: float experts, inside ``exact.row_blocked()``, no kernel here. Decided once."""
+        if not gemv.applies(x):
+            return None
+        if not hasattr(self, "_row"):
+            self._row, self._row_run = None, None
+            blocks = self._parameters.get("gate_up_proj_blocks")
+            if blocks is not None and packed_experts.packed_kernel(x, blocks) is not None:
+                self._row_run = packed_experts.kernel(x.dtype, (2, float(self.alpha), float(self.limit)))
+                self._row = [(packed_experts.fused(self.gate_up_proj_blocks[k], self.gate_up_proj_scales[k]), None,
+                              packed_experts.fused(self.down_proj_blocks[k], self.down_proj_scales[k])) for k in range(self.count)]
+        return self._row_run
 
 
 class GptOssMoE(nn.Module):

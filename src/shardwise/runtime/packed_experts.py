@@ -17,6 +17,8 @@ from shardwise.runtime import cpp_ops, gemv, int_matmul
 from shardwise.runtime.int_matmul import IntWeight, activations, kernel_rows
 from shardwise.runtime.mxfp4_matmul import packed_kernel
 
+__all__ = ["Packed", "expert_parts", "fused", "kernel", "packed", "packed_kernel", "run"]
+
 
 class Packed(NamedTuple):
     """One packed projection as the int kernel reads it: q uint8 [N, K/2] (4 bits) or int8 [N, K], its scales
@@ -44,6 +46,12 @@ def packed(linear, x: torch.Tensor) -> Packed | None:
     return None
 
 
+def fused(blocks: torch.Tensor, scales: torch.Tensor) -> Packed:
+    """One expert's MXFP4 projection of a gpt-oss fused tensor (blocks [out, in/32, 16], E8M0 scales) as ``Packed``."""
+    q = blocks.view(scales.shape[0], -1)
+    return Packed(q, scales, 4, q.shape[1] * 2 % 128 == 0)
+
+
 def expert_parts(expert, x: torch.Tensor) -> tuple[Packed, Packed, Packed] | None:
     """(gate, up, down) of a SwiGLU ``moe.Expert`` as ``Packed``, all of one bit width, or None."""
     parts = tuple(packed(getattr(expert, name), x) for name in expert.parts)
@@ -59,18 +67,20 @@ def kernel(dtype: torch.dtype, act: tuple[int, float, float]) -> Callable | None
     if dtype not in (torch.float32, torch.bfloat16) or cpp_ops.optional_op(int_matmul.SOURCE, "shardwise_int", "int_matmul") is None:
         return None
     op = cpp_ops.optional_op(gemv.SOURCE, "shardwise_gemv", "experts_row_packed")
-    return None if op is None else lambda *args: run(op, *args, act=act)
+    return None if op is None else lambda *args, **kw: run(op, *args, act=act, **kw)
 
 
-def run(op, x: torch.Tensor, experts: list[tuple[Packed, Packed, Packed]], weights: torch.Tensor, slots: list[int],
-        out: torch.Tensor, act: tuple[int, float, float]) -> None:
-    """``out`` [H] (x's dtype, or float32) += sum over ``experts`` (gate, up, down) of ``weights[slots[i]]`` x expert
-    i's output for the row ``x`` [H], through ``op`` with the flags ``kernel_rows`` gives the modules now."""
+def run(op, x: torch.Tensor, experts: list[tuple[Packed, Packed | None, Packed]], weights: torch.Tensor, slots: list[int],
+        out: torch.Tensor, act: tuple[int, float, float], biases: tuple[list, list] = ([], [])) -> None:
+    """``out`` [H] (x's dtype, or float32) += sum over ``experts`` (gate, up, down; up None where gate holds gpt-oss's
+    interleaved gate|up rows) of ``weights[slots[i]]`` x expert i's output for the row ``x`` [H], each product plus
+    its bias where ``biases`` (gate biases, down biases: one per expert, or none) has one, through ``op`` with the
+    flags ``kernel_rows`` gives the modules now."""
     gate, _, down = experts[0]
     int8 = activations() == "int8"
     flags = []
     for part in (gate, down):  # [widen to float32, pairs, q8, i16] as the module's kernel_rows decides them
         rows, (pairs, q8, i16) = kernel_rows(x.view(1, -1), part.bits, int8 and part.lines, part.lines)
         flags.append([int(rows.dtype != x.dtype), int(pairs), int(q8), int(i16)])
-    lists = [[e[k][field] for e in experts] for k in range(3) for field in (0, 1)]  # gate q, gate scales, up ..., down ...
-    op(x, *lists, gate.bits, weights, slots, out, *flags, *act)
+    lists = [[e[k][field] for e in experts if e[k] is not None] for k in range(3) for field in (0, 1)]
+    op(x, *lists, gate.bits, weights, slots, out, *flags, *act, *biases)
