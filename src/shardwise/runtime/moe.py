@@ -41,7 +41,7 @@ from shardwise.runtime.layers import (
     project_inputs,
     shard_param,
 )
-from shardwise.runtime.mxfp4_matmul import mxfp4_matmul
+from shardwise.runtime.mxfp4_matmul import mxfp4_matmul, packed_kernel
 from shardwise.runtime.packed_weights import BLOCKS, NONE, SCALES, Quantization, packed_param
 from shardwise.runtime.rms_norm import RMSNorm
 from shardwise.spec.model import MoESpec, TensorSpec
@@ -419,10 +419,10 @@ class FusedExperts(nn.Module):
         if not hasattr(self, "_row"):
             self._row, self._row_run = None, None
             blocks = self._parameters.get("gate_up_proj_blocks")
-            if blocks is not None and packed_experts.packed_kernel(x, blocks) is not None:
+            if blocks is not None and packed_kernel(x, blocks) is not None:
                 self._row_run = packed_experts.kernel(x.dtype, (2, float(self.alpha), float(self.limit)))
-                self._row = [(packed_experts.fused(self.gate_up_proj_blocks[k], self.gate_up_proj_scales[k]), None,
-                              packed_experts.fused(self.down_proj_blocks[k], self.down_proj_scales[k])) for k in range(self.count)]
+                self._row = [(packed_experts.mxfp4(self.gate_up_proj_blocks[k], self.gate_up_proj_scales[k]), None,
+                              packed_experts.mxfp4(self.down_proj_blocks[k], self.down_proj_scales[k])) for k in range(self.count)]
         return self._row_run
 
 

@@ -93,11 +93,17 @@ def mxfp4_matmul(
     op = packed_kernel(rows, blocks)
     if op is None:
         return F.linear(x, decode(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
-    lines = rows.shape[1] % 128 == 0
+    lines = whole_lines(rows.shape[1])
     rows, flags = kernel_rows(rows, 4, lines and activations() == "int8", lines)
     y = op(rows, blocks.reshape(blocks.shape[0], -1), scales.contiguous(), 4, BLOCK_SIZE, x.dtype, *flags)
     y = y.view(*x.shape[:-1], blocks.shape[0])
     return y if bias is None else y + bias.to(x.dtype)
+
+
+def whole_lines(in_features: int) -> bool:
+    """Whether MXFP4 rows of ``in_features`` are whole 128-weight lines: the int kernel's int8 rows and integer grids
+    take them (``int_matmul.kernel_rows``' ``lines``)."""
+    return in_features % 128 == 0
 
 
 def packed_kernel(rows: torch.Tensor, blocks: torch.Tensor):

@@ -15,9 +15,9 @@ import torch
 
 from shardwise.runtime import cpp_ops, gemv, int_matmul
 from shardwise.runtime.int_matmul import IntWeight, activations, kernel_rows
-from shardwise.runtime.mxfp4_matmul import packed_kernel
+from shardwise.runtime.mxfp4_matmul import packed_kernel, whole_lines
 
-__all__ = ["Packed", "expert_parts", "fused", "kernel", "packed", "packed_kernel", "run"]
+__all__ = ["Packed", "expert_parts", "kernel", "mxfp4", "packed", "run"]
 
 
 class Packed(NamedTuple):
@@ -38,18 +38,16 @@ def packed(linear, x: torch.Tensor) -> Packed | None:
     if isinstance(w, IntWeight):
         return Packed(w.q, w.scale, w.bits, w.takes_int8_rows)
     if getattr(linear, "packed", False) and getattr(linear, "bias", None) is None:
-        scale, blocks = linear.weight_scale, linear.weight_packed
-        if packed_kernel(x, blocks) is None:
+        if packed_kernel(x, linear.weight_packed) is None:
             return None
-        q = blocks.view(scale.shape[0], -1)
-        return Packed(q, scale, 4, q.shape[1] * 2 % 128 == 0)
+        return mxfp4(linear.weight_packed, linear.weight_scale)
     return None
 
 
-def fused(blocks: torch.Tensor, scales: torch.Tensor) -> Packed:
-    """One expert's MXFP4 projection of a gpt-oss fused tensor (blocks [out, in/32, 16], E8M0 scales) as ``Packed``."""
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> Packed:
+    """One MXFP4 projection (blocks [out, in/32, 16] or [out, in/2] bytes, E8M0 scales [out, in/32]) as ``Packed``."""
     q = blocks.view(scales.shape[0], -1)
-    return Packed(q, scales, 4, q.shape[1] * 2 % 128 == 0)
+    return Packed(q, scales, 4, whole_lines(q.shape[1] * 2))
 
 
 def expert_parts(expert, x: torch.Tensor) -> tuple[Packed, Packed, Packed] | None:

@@ -342,11 +342,13 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const void* sp = scale.data_ptr();
   const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
   [[maybe_unused]] const bool lines = bits == 4 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0);
-  TORCH_CHECK(!i16 || (!q8 && x_in.scalar_type() == at::kBFloat16 && (lines || (bits == 8 && K % 128 == 0 && (group == K || group % 64 == 0)))),
+  // the weights whose rows q8 and i16 take: int4 / MXFP4 lines, or int8 per channel or in groups of k*64, K a multiple of 128
+  const bool int_rows = lines || (bits == 8 && K % 128 == 0 && (group == K || group % 64 == 0));
+  TORCH_CHECK(!i16 || (!q8 && x_in.scalar_type() == at::kBFloat16 && int_rows),
               "i16 takes bfloat16 rows a multiple of 128 wide against int4 / MXFP4 weights in groups of 32, 64 or k*128, "
               "or int8 ones per channel or in groups of k*64 (and not q8)");
   if (q8) {  // x rounded to int8 per 32-block (int_matmul_q8.h)
-    TORCH_CHECK(lines || (bits == 8 && K % 128 == 0 && (group == K || group % 64 == 0)), "q8 takes rows a multiple of 128 "
+    TORCH_CHECK(int_rows, "q8 takes rows a multiple of 128 "
                 "wide against int4 / MXFP4 weights in groups of 32, 64 or k*128, or int8 ones per channel or in groups of k*64");
 #if defined(SHARDWISE_Q8)
     if (bits == 8) {
