@@ -371,9 +371,10 @@ def main() -> None:
             two = ", two weight rows at a time (this machine's measured choice)" if int_matmul.q8_pairs(bits) else ""
             return (f" rounded to int8 per 32-block in the kernel (SHARDWISE_INT_ACTIVATIONS=int8: llama.cpp's "
                     f"{'Q8_0' if bits == 8 else 'Q4_0'} arithmetic{two})")
-        path = int_matmul.row_path(bits) if args.dtype == "bfloat16" else "float32_pairs" if int_matmul.pairs(bits) else "float32"
+        path = int_matmul.row_path(bits) if args.dtype == "bfloat16" else int_matmul.float_path(bits)
         how = {"bfloat16": "as they are (vdpbf16ps)", "float32": "as float32",
-               "int16": "on integer grids per 32-block (vpdpbusd)"}[path.removesuffix("_pairs")]
+               "int16": "on 15-bit integer grids per 32-block (vpdpbusd)",
+               "int24": "on 23-bit integer grids per 32-block (vpdpbusd)"}[path.removesuffix("_pairs")]
         return f" ({how}{', two weight rows at a time,' if path.endswith('_pairs') else ''} in the kernel: this machine's measured choice)"
 
     print(f"shardwise tp=1   {best:6.2f} tok/s  (rounds {', '.join(f'{x:.2f}' for x, _ in ours)}), as shipped "

@@ -44,9 +44,11 @@ def on_int8_rows(weight: IntWeight, x: torch.Tensor) -> torch.Tensor:
 
 
 def on_row_path(weight: IntWeight, x: torch.Tensor, path: str) -> torch.Tensor:
-    """``weight(x)`` for bfloat16 ``x`` along one of ``int_matmul.ROW_PATHS`` (one weight row at a time)."""
+    """``weight(x)`` along one of ``int_matmul.ROW_PATHS`` (bfloat16 ``x``) or ``FLOAT_PATHS`` (float32), one weight row
+    at a time."""
     rows = x.float() if path == "float32" else x
-    return int_matmul.kernel()(rows, weight.q, weight.scale, weight.bits, weight.group, x.dtype, False, False, path == "int16")
+    return int_matmul.kernel()(rows, weight.q, weight.scale, weight.bits, weight.group, x.dtype, False, False,
+                               path in ("int16", "int24"))
 
 
 def main() -> None:
@@ -83,11 +85,12 @@ def main() -> None:
             for weight, label in ((int8, "int8"), (int4, "int4 g32")):
                 cases.append((f"shardwise {label}, {name} x as int8", weight.q.numel() + weight.scale.numel() * 2,
                               lambda x=x, weight=weight: on_int8_rows(weight, x)))
-        if dtype == torch.bfloat16:  # each way bfloat16 rows can reach the kernel (the line above: the measured choice)
-            for weight, label in ((int8, "int8"), (int4, "int4 g32")):
-                for path in ("bfloat16", "float32") + (("int16",) if int_matmul.int8_rows_here() and args.inp % 128 == 0 else ()):
-                    cases.append((f"shardwise {label}, bf16 x, row path {path}", weight.q.numel() + weight.scale.numel() * 2,
-                                  lambda x=x, weight=weight, path=path: on_row_path(weight, x, path)))
+        # each way the rows can reach the kernel (the lines above: the measured choice)
+        grids = ("int16" if dtype == torch.bfloat16 else "int24",) if int_matmul.int8_rows_here() and args.inp % 128 == 0 else ()
+        for weight, label in ((int8, "int8"), (int4, "int4 g32")):
+            for path in ("bfloat16", "float32") + grids if dtype == torch.bfloat16 else ("float32",) + grids:
+                cases.append((f"shardwise {label}, {name} x, row path {path}", weight.q.numel() + weight.scale.numel() * 2,
+                              lambda x=x, weight=weight, path=path: on_row_path(weight, x, path)))
         cases += [
             (f"torch _weight_int8pack_mm, {name} x", q8t.numel() + s8t.numel() * x.element_size(),
              lambda x=x, dtype=dtype: torch._weight_int8pack_mm(x, q8t, s8t.to(dtype))),

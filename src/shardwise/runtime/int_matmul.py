@@ -29,7 +29,7 @@ exactly the checkpoint's bytes (``bits/8 + scale bytes / group`` per weight), an
 row in one fixed order: a row's result does not depend on how many rows share the call, so a
 k+1-row speculative verify equals k+1 one-row steps bit for bit (``runtime.exact``).
 
-Bfloat16 rows may also go in on integer grids (``csrc/int_matmul_i16.h``, the ``int16`` row
+Bfloat16 rows may also go in on integer grids (``csrc/int_matmul_grids.h``, the ``int16`` row
 paths): each 32-block on its own power-of-two step, so every element within 2^6 of the block's largest is held exactly
 and smaller ones move by at most 2^-14 of it, and the products are integers (vpdpbusd on its two int8 halves, where
 vdpbf16ps is this Xeon's slowest instruction): on the Xeon VM, 41 decode weights of the 2048x10 llama's int4
@@ -38,6 +38,11 @@ same grids at 16 bits through vpdpwssd: 73.3). One 5632x2048 weight from L2 on o
 -> 15.4-17.7 GB/s (int8 rows, q8: 17.1-18.6); from memory on two, 24-26 -> 30-30.5 (q8 32-35).
 int8 weights the same way (one xor and two vpdpbusd per 64): the int8 checkpoint's decode 47.6 -> 51.2 tok/s (widened
 to float32 before: the faster of the others here), its 41 weights 18.8 -> 17.1 ms = 30 GB/s.
+Float32 rows likewise (the ``int24`` paths, ``float_path``): each 32-block on a grid of 23-bit integers in three int8
+parts (every element off by at most 2^-22 of its block's largest; float32's own spacing is 2^-23 of it), three vpdpbusd
+pairs per 128 weights where the table path spends eight permutes, seven shifts and eight fused multiply-adds: the int4
+checkpoint in float32 on the Xeon VM 64.0-68.1 -> 70.2-73.3 tok/s (processes alternated, 3 rounds x 3), its 41 weights
+back to back 20.0 -> 22.0 GB/s (8 rounds shuffled in one process).
 
 Opt-in, rows may instead be rounded to int8 per 32-block inside the kernel and multiplied as integers (``activations``:
 ``run`` / ``serve --int-activations int8``; llama.cpp's Q8_0 / Q4_0 / MXFP4 x Q8_0 arithmetic, ``csrc/int_matmul_q8.h``):
@@ -83,12 +88,14 @@ WIDEN_MARGIN = 1.05
 """bfloat16 rows are widened to float32 only if that streams at least this many times as fast (``row_path``)."""
 ROW_PATHS = ("bfloat16", "bfloat16_pairs", "float32", "float32_pairs", "int16", "int16_pairs")
 """How bfloat16 rows may reach the kernel (``row_path``)."""
+FLOAT_PATHS = ("float32", "float32_pairs", "int24", "int24_pairs")
+"""How float32 rows may reach the kernel (``float_path``)."""
 ACTIVATIONS = ("float", "int8")
 """What rows int8 / int4 / MXFP4 weights multiply (``activations``)."""
 Q8_PATHS = ("int8", "int8_pairs")
 """How int8 rows run: one weight row per pass or two (``q8_pairs``)."""
 _kernel = None
-_paths: dict[tuple[int, int], tuple[str, bool]] = {}
+_paths: dict[tuple[torch.dtype, int, int], str] = {}
 _q8_pairs: dict[tuple[int, int], bool] = {}
 _chosen_activations: str | None = None
 
@@ -101,17 +108,18 @@ def runs_as_gemm(rows: torch.Tensor) -> bool:
 
 def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False, lines: bool = False) -> tuple[torch.Tensor, tuple[bool, bool, bool]]:
     """(``rows`` as the kernel reads them for ``bits``-bit weights, contiguous: bfloat16 as they are unless this
-    machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32; the kernel's
-    trailing arguments for them: ``pairs`` (two weight rows at a time where this machine measured that faster),
-    ``q8`` and ``i16``). With ``int8_rows`` (the kernel's q8: it rounds float32 / bfloat16 rows itself) as they are,
-    and ``q8_pairs``. Bfloat16 rows take the integer grids (the ``int16`` paths) only against ``lines`` weights, those
-    int8 rows fit (``IntWeight.takes_int8_rows``); others take the ``bfloat16`` path alike."""
+    machine multiplies them faster widened to float32 (``row_path``), any other dtype as float32 (``float_path``); the
+    kernel's trailing arguments for them: ``pairs`` (two weight rows at a time where this machine measured that
+    faster), ``q8`` and ``grids``). With ``int8_rows`` (the kernel's q8: it rounds float32 / bfloat16 rows itself) as
+    they are, and ``q8_pairs``. Rows take the integer grids (the ``int16`` / ``int24`` paths) only against ``lines``
+    weights, those int8 rows fit (``IntWeight.takes_int8_rows``); against others the ``bfloat16`` / ``float32`` path
+    alike."""
     if int8_rows and rows.dtype in (torch.float32, torch.bfloat16):
         return rows.contiguous(), (q8_pairs(bits), True, False)
-    path = row_path(bits)
-    if rows.dtype == torch.bfloat16 and not path.startswith("float32"):
-        return rows.contiguous(), (path.endswith("_pairs"), False, lines and path.startswith("int16"))
-    return rows.float().contiguous(), (pairs(bits), False, False)
+    path = row_path(bits) if rows.dtype == torch.bfloat16 else float_path(bits)
+    if not path.startswith(("bfloat16", "int16")):
+        rows = rows.float()
+    return rows.contiguous(), (path.endswith("_pairs"), False, lines and path.startswith(("int16", "int24")))
 
 
 def activations() -> str:
@@ -164,51 +172,60 @@ def q8_pairs(bits: int) -> bool:
 def row_path(bits: int) -> str:
     """How bfloat16 rows times ``bits``-bit weights reach the kernel on this machine: ``bfloat16`` (as they are:
     the vdpbf16ps path), ``float32`` (widened, exactly: the products and sums are then the float32 path's) or
-    ``int16`` (each 32-block on its power-of-two integer grid: ``csrc/int_matmul_i16.h`` —
+    ``int16`` (each 32-block on its power-of-two integer grid: ``csrc/int_matmul_grids.h`` —
     elements within 2^6 of their block's largest exact, smaller ones off by at most 2^-14 of it), each
     one weight row at a time or two (``_pairs``: the kernel's ``pairs``, the same bits) — the fastest of them at
-    torch's current thread count, measured once (``measure_rows``) and stored beside the kernel's build; widened
-    wherever the CPU has no AVX512-BF16 (the kernel would widen them itself). ``SHARDWISE_INT_ROWS`` (one of
-    ``ROW_PATHS``) overrides it. Decided once per process."""
-    return _row_paths(bits)[0]
+    torch's current thread count (``decide_rows``), measured once (``measure_rows``) and stored beside the kernel's
+    build; widened wherever the CPU has no AVX512-BF16 (the kernel would widen them itself). ``SHARDWISE_INT_ROWS``
+    (one of ``ROW_PATHS``) overrides it. Decided once per process."""
+    return _chosen(torch.bfloat16, bits)
 
 
-def pairs(bits: int) -> bool:
-    """Whether float32 rows (a float32 model's, or widened bfloat16 ones) times ``bits``-bit weights run two weight
-    rows per pass (the kernel's ``pairs``; the same bits as one at a time), as measured faster here."""
-    return _row_paths(bits)[1]
+def float_path(bits: int) -> str:
+    """How float32 rows (a float32 model's) times ``bits``-bit weights reach the kernel on this machine: ``float32``
+    (each weight through a table to float32, a fused multiply-add per product) or ``int24`` (each 32-block of the row on
+    its power-of-two integer grid, in three int8 parts: ``csrc/int_matmul_grids.h`` — every element off by at most
+    2^-20 of its block's largest, the integer sums rounded once to float32), one weight row at a time or two
+    (``_pairs``) — the fastest of them at torch's current thread count, measured once with float32 rows
+    (``measure_rows``) and stored beside the kernel's build. ``SHARDWISE_INT_FLOAT_ROWS`` (one of ``FLOAT_PATHS``)
+    overrides it. Decided once per process."""
+    return _chosen(torch.float32, bits)
 
 
-def _row_paths(bits: int) -> tuple[str, bool]:
-    """(``row_path``, ``pairs``) for ``bits`` at torch's current thread count, decided once per process."""
-    key = (bits, torch.get_num_threads())
+def _chosen(dtype: torch.dtype, bits: int) -> str:
+    """``row_path`` (``dtype`` bfloat16) or ``float_path`` (float32) for ``bits`` at torch's current thread count."""
+    key = (dtype, bits, torch.get_num_threads())
     if key not in _paths:
-        forced = os.environ.get("SHARDWISE_INT_ROWS", "").strip().lower()
-        if forced not in ("", *ROW_PATHS):
-            raise ShardwiseError(f"SHARDWISE_INT_ROWS={forced!r}: set it to one of {', '.join(ROW_PATHS)}, or unset it to measure")
-        names = candidates(bits)
-        if forced:
-            _paths[key] = (forced, forced == "float32_pairs")
-        elif len(names) == 1:
-            _paths[key] = (names[0], False)
+        bf16 = dtype == torch.bfloat16
+        env, allowed = ("SHARDWISE_INT_ROWS", ROW_PATHS) if bf16 else ("SHARDWISE_INT_FLOAT_ROWS", FLOAT_PATHS)
+        forced = os.environ.get(env, "").strip().lower()
+        if forced not in ("", *allowed):
+            raise ShardwiseError(f"{env}={forced!r}: set it to one of {', '.join(allowed)}, or unset it to measure")
+        names = candidates(bits, dtype)
+        if forced or len(names) == 1:
+            _paths[key] = forced or names[0]
         else:
-            path = build_dir() / f"int-rows-choice-{bits}bit-{key[1]}t.json"
-            record = kernel_choice.stored(path, lambda: measure_rows(bits, names), decide_rows,
+            stem = "int-rows-choice" if bf16 else "int-float-rows-choice"
+            record = kernel_choice.stored(build_dir() / f"{stem}-{bits}bit-{key[2]}t.json",
+                                          lambda: measure_rows(bits, names, dtype),
+                                          decide_rows if bf16 else (lambda rates: max(names, key=rates.get)),
                                           lambda record: record["cpu_share"] >= kernel_choice.CONTENDED_SHARE, names)
-            _paths[key] = (record["choice"], record.get("float32_pairs", 0.0) > record["float32"])
+            _paths[key] = record["choice"]
     return _paths[key]
 
 
-def candidates(bits: int) -> tuple[str, ...]:
-    """The ``ROW_PATHS`` this CPU's build of the kernel has for ``bits``-bit weights (two rows at a time: int8 rows
-    on AVX-512, 4-bit ones where AVX-512VL gives the 64-byte-line paths; int8 with bfloat16 rows has none; integer
-    grids: AVX-512 VNNI)."""
+def candidates(bits: int, dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
+    """The paths this CPU's build of the kernel has for ``dtype`` rows (``ROW_PATHS`` for bfloat16, ``FLOAT_PATHS``
+    for float32) times ``bits``-bit weights (two rows at a time: int8 rows on AVX-512, 4-bit ones where AVX-512VL
+    gives the 64-byte-line paths; int8 with bfloat16 rows has none; integer grids: AVX-512 VNNI)."""
     flags = cpp_ops.cpu_flags()
     lines = {"avx512f", "avx512bw", "avx512vl"} <= flags
-    names = ("bfloat16",) + (("bfloat16_pairs",) if bits == 4 else ()) if {"avx512_bf16", "avx512vl"} <= flags else ()
     two = {"avx512f", "avx512bw"} <= flags if bits == 8 else lines
-    grids = ("int16", "int16_pairs") if int8_rows_here() else ()
-    return names + ("float32",) + (("float32_pairs",) if two else ()) + grids
+    floats = ("float32",) + (("float32_pairs",) if two else ())
+    if dtype != torch.bfloat16:
+        return floats + (("int24", "int24_pairs") if int8_rows_here() else ())
+    names = ("bfloat16",) + (("bfloat16_pairs",) if bits == 4 else ()) if {"avx512_bf16", "avx512vl"} <= flags else ()
+    return names + floats + (("int16", "int16_pairs") if int8_rows_here() else ())
 
 
 def decide_rows(rates: dict[str, float]) -> str:
@@ -222,9 +239,10 @@ def decide_rows(rates: dict[str, float]) -> str:
     return widened if kept is None or rates[widened] >= WIDEN_MARGIN * rates[kept] else kept
 
 
-def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_BYTES, rounds: int = 4) -> dict[str, float]:
-    """GB/s of packed weight bytes (and scales) the kernel streams for one bfloat16 row along each of ``names``
-    (``ROW_PATHS``, widening timed with the product; or ``Q8_PATHS``, rounding to int8 timed with it), best of
+def measure_rows(bits: int, names: tuple[str, ...], dtype: torch.dtype = torch.bfloat16, nbytes: int = gemv.MEASURE_BYTES,
+                 rounds: int = 4) -> dict[str, float]:
+    """GB/s of packed weight bytes (and scales) the kernel streams for one ``dtype`` row along each of ``names``
+    (``ROW_PATHS`` / ``FLOAT_PATHS``, widening timed with the product; or ``Q8_PATHS``, rounding to int8 timed with it), best of
     ``rounds`` over ``nbytes`` of ``bits``-bit weights (per channel for 8 bits, groups of 32 for 4, bfloat16 scales) shaped as a decoder's (``gemv.MEASURE_SHAPES``),
     in huge pages where the host gives them, the paths taking turns weight by weight
     (``kernel_choice.side_by_side``); and ``cpu_share``."""
@@ -240,14 +258,14 @@ def measure_rows(bits: int, names: tuple[str, ...], nbytes: int = gemv.MEASURE_B
         scale = memory[start + qb : start + qb + sb].view(torch.bfloat16).view(n, -1).fill_(0.01)
         weights.append((q, scale, k if bits == 8 else 32, qb + sb))
         start += qb + sb
-    xs = {k: torch.full((1, k), 0.5, dtype=torch.bfloat16) for _, k in gemv.MEASURE_SHAPES}
+    xs = {k: torch.full((1, k), 0.5, dtype=dtype) for _, k in gemv.MEASURE_SHAPES}
     op = kernel()
 
     def run(name: str, i: int) -> int:
         q, scale, group, moved = weights[i]
         x = xs[q.shape[1] * 8 // bits]
         rows = x.float() if name.startswith("float32") else x
-        op(rows, q, scale, bits, group, torch.bfloat16, name.endswith("_pairs"), name.startswith("int8"), name.startswith("int16"))
+        op(rows, q, scale, bits, group, torch.bfloat16, name.endswith("_pairs"), name.startswith("int8"), name.startswith(("int16", "int24")))
         return moved
 
     return kernel_choice.side_by_side(names, run, len(weights), rounds)

@@ -77,8 +77,8 @@ def run(op, x: torch.Tensor, experts: list[tuple[Packed, Packed | None, Packed]]
     gate, _, down = experts[0]
     int8 = activations() == "int8"
     flags = []
-    for part in (gate, down):  # [widen to float32, pairs, q8, i16] as the module's kernel_rows decides them
-        rows, (pairs, q8, i16) = kernel_rows(x.view(1, -1), part.bits, int8 and part.lines, part.lines)
-        flags.append([int(rows.dtype != x.dtype), int(pairs), int(q8), int(i16)])
+    for part in (gate, down):  # [widen to float32, pairs, q8, grids] as the module's kernel_rows decides them
+        rows, (pairs, q8, grids) = kernel_rows(x.view(1, -1), part.bits, int8 and part.lines, part.lines)
+        flags.append([int(rows.dtype != x.dtype), int(pairs), int(q8), int(grids)])
     lists = [[e[k][field] for e in experts if e[k] is not None] for k in range(3) for field in (0, 1)]
     op(x, *lists, gate.bits, weights, slots, out, *flags, *act, *biases)

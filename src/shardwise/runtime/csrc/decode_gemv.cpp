@@ -171,7 +171,7 @@ const IntOp& int_op() {
 }
 
 // x [K] in the run dtype times a packed weight (q, its scales s; `bits`) -> [N] in x's dtype, as IntWeight and
-// mxfp4_matmul run one row; flags = [widen x to float32 first, the kernel's pairs, q8, i16].
+// mxfp4_matmul run one row; flags = [widen x to float32 first, the kernel's pairs, q8, grids].
 at::Tensor packed_product(const at::Tensor& q, const at::Tensor& s, int64_t bits, const at::Tensor& x, at::IntArrayRef flags) {
   const int64_t K = x.numel();
   TORCH_CHECK(q.dim() == 2 && s.dim() == 2 && q.size(1) * 8 == K * bits && s.size(0) == q.size(0) && K % s.size(1) == 0,
@@ -193,7 +193,7 @@ void experts_row_packed(const at::Tensor& x, at::TensorList gate_q, at::TensorLi
   TORCH_CHECK(gate_q.size() == n && gate_s.size() == n && up_q.size() == ups && up_s.size() == ups && down_q.size() == n &&
               down_s.size() == n && (gate_bias.empty() || gate_bias.size() == n) && (down_bias.empty() || down_bias.size() == n),
               "one gate, up (none for act 2) and down (q and scales, biases if any) and slot per expert");
-  TORCH_CHECK(in_flags.size() == 4 && down_flags.size() == 4, "flags are [widen, pairs, q8, i16]");
+  TORCH_CHECK(in_flags.size() == 4 && down_flags.size() == 4, "flags are [widen, pairs, q8, grids]");
   TORCH_CHECK(act == 0 || (act == 1 && p0 != 0.) || act == 2, "act is 0 (SiLU), 1 (SiTU, beta != 0) or 2 (gpt-oss)");
   in_run_dtype(x, weights, slots, out, [&](auto t, auto o, const float* w) {
     using T = decltype(t);

@@ -313,12 +313,12 @@ std::vector<T> line_order(const T* xs, int64_t n, int blocks) {
 #include "int_matmul_outputs.h"
 
 #if defined(SHARDWISE_Q8)
-#define SHARDWISE_I16 1
-#include "int_matmul_i16.h"
+#define SHARDWISE_GRIDS 1
+#include "int_matmul_grids.h"
 #endif
 
 at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group,
-                      std::optional<at::ScalarType> out_dtype, bool pairs, bool q8, bool i16) {
+                      std::optional<at::ScalarType> out_dtype, bool pairs, bool q8, bool grids) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) && x_in.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scale.dim() == 2 && scale.is_contiguous(), "q and scale must be contiguous 2-D");
@@ -342,10 +342,10 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const void* sp = scale.data_ptr();
   const int64_t G = K / group, row_bytes = K * bits / 8 + G * scale.element_size();
   [[maybe_unused]] const bool lines = bits == 4 && K % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0);
-  // the weights whose rows q8 and i16 take: int4 / MXFP4 lines, or int8 per channel or in groups of k*64, K a multiple of 128
+  // the weights whose rows q8 and grids take: int4 / MXFP4 lines, or int8 per channel or in groups of k*64, K a multiple of 128
   const bool int_rows = lines || (bits == 8 && K % 128 == 0 && (group == K || group % 64 == 0));
-  TORCH_CHECK(!i16 || (!q8 && x_in.scalar_type() == at::kBFloat16 && int_rows),
-              "i16 takes bfloat16 rows a multiple of 128 wide against int4 / MXFP4 weights in groups of 32, 64 or k*128, "
+  TORCH_CHECK(!grids || (!q8 && int_rows),
+              "grids take rows a multiple of 128 wide against int4 / MXFP4 weights in groups of 32, 64 or k*128, "
               "or int8 ones per channel or in groups of k*64 (and not q8)");
   if (q8) {  // x rounded to int8 per 32-block (int_matmul_q8.h)
     TORCH_CHECK(int_rows, "q8 takes rows a multiple of 128 "
@@ -371,23 +371,16 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
     TORCH_CHECK(false, "q8 needs a CPU with AVX-512 VNNI");
 #endif
   }
-  if (i16) {  // bfloat16 rows on int16 grids (int_matmul_i16.h)
-#if defined(SHARDWISE_I16)
-    if (bits == 8) {
-      const std::vector<I16Line8> xc = i16_rows8(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K);
-      sum_rows(y, M, N, row_bytes, G, pairs, q.data_ptr<int8_t>(), K, [&](auto R, const int8_t* const* rows, const int64_t* s0, int64_t m, float* out) {
-        dot8_i16<decltype(R)::value>(rows, xc.data() + m * (K / 128), K, group, sp, sk, s0, out);
-      });
-      return y;
+  if (grids) {  // rows on integer grids (int_matmul_grids.h): bfloat16 in two int8 parts, float32 in three
+#if defined(SHARDWISE_GRIDS)
+    if (x_in.scalar_type() == at::kFloat) {
+      grid_products(y, x_in.data_ptr<float>(), M, K, N, q, bits, group, sp, sk, row_bytes, pairs);
+    } else {
+      grid_products(y, reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K, N, q, bits, group, sp, sk, row_bytes, pairs);
     }
-    const std::vector<I16Chunk> xc = i16_rows(reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>()), M, K,
-                                              sk == kE8M0 ? 12 : 8, sk == kE8M0 ? .5f : 1.f);
-    sum_rows(y, M, N, row_bytes, G, pairs, q.data_ptr<uint8_t>(), K / 2, [&](auto R, const uint8_t* const* rows, const int64_t* s0, int64_t m, float* out) {
-      dot4_i16<decltype(R)::value>(rows, xc.data() + m * (K / 128), K, group, sp, sk, s0, out);
-    });
     return y;
 #else
-    TORCH_CHECK(false, "i16 needs a CPU with AVX-512 VNNI");
+    TORCH_CHECK(false, "grids need a CPU with AVX-512 VNNI");
 #endif
   }
 #if defined(SHARDWISE_BF16_DOT)
@@ -444,6 +437,6 @@ at::Tensor int_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(shardwise_int, m) {
-  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None, bool pairs=False, bool q8=False, bool i16=False) -> Tensor",
+  m.def("int_matmul(Tensor x, Tensor q, Tensor scale, int bits, int group, ScalarType? out_dtype=None, bool pairs=False, bool q8=False, bool grids=False) -> Tensor",
         &int_matmul);
 }

@@ -97,7 +97,7 @@ std::vector<Q8Chunk> q8_rows(const T* x, int64_t M, int64_t K, int offset, float
 const __m512i kE2M1Bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
 
 // R rows of 4-bit weights (q[i], scales from s0[i]: float32, bfloat16 or E8M0 — then E2M1 values, group 32; else
-// group 32, 64 or a multiple of 128) against one row's chunks xc (Q8Chunk here, I16Chunk for int_matmul_i16.h), each
+// group 32, 64 or a multiple of 128) against one row's chunks xc (Q8Chunk here, GridChunk for int_matmul_grids.h), each
 // row summed exactly as alone (R = 1); chunks alternate between two accumulators. The stored nibbles go in unsigned
 // (MXFP4's through kE2M1Bytes); add(lo, hi, x, ws, acc) adds one chunk's products times its weight scales ws to acc.
 template <int R, class Chunk, class Add>
@@ -180,7 +180,7 @@ void dot8_int(const int8_t* const* q, const Line* xc, int64_t K, int64_t group, 
 }
 
 // R rows of int8 weights (q[i], scales from s0[i]; one scale per row — group = K — or groups of a multiple of 64)
-// against one row's chunks (Q8Line8 here, I16Line8 for int_matmul_i16.h), each row summed exactly as alone; the two
+// against one row's chunks (Q8Line8 here, GridLine8 for int_matmul_grids.h), each row summed exactly as alone; the two
 // halves of a chunk into two accumulators. The weights go in as q + 128 (unsigned); add(w, x, h, scale, acc) adds
 // half h's products (times its group's scale, 1 for a per-channel row: its scale multiplies the row's sum) to acc.
 template <int R, class Line, class Add>
