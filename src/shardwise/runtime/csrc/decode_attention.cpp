@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -286,11 +287,22 @@ at::Tensor step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   static const auto rope = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>("shardwise_rope::rope");
   const at::Tensor q = rope.call(normed_heads(qkv.narrow(2, 0, heads * d).view({B, 1, heads, d}), q_norm, eps), cos, sin, false);
   const at::Tensor k = rope.call(normed_heads(qkv.narrow(2, heads * d, KV * d).view({B, 1, KV, d}), k_norm, eps), cos, sin, false);
-  const at::Tensor v = qkv.narrow(2, (heads + KV) * d, KV * d).view({B, 1, KV, d}).transpose(1, 2);
-  at::Tensor keys = k_cache.narrow(0, 0, B), values = v_cache.narrow(0, 0, B);
-  keys.narrow(2, p, 1).copy_(k);
-  values.narrow(2, p, 1).copy_(v);
-  return decode(q, keys.narrow(2, 0, p + 1), values.narrow(2, 0, p + 1), scale);
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.scalar_type() == qkv.scalar_type(), "caches must be contiguous along d, in qkv's dtype");
+  // k (rotated, contiguous [B, KV, 1, d]) and v (qkv's slice) into cache position p, row by row: plain copies where
+  // two TensorIterator copy_ calls cost a decode step ~20 us a layer with cold caches
+  const int64_t bytes = d * qkv.element_size(), vrow = qkv.stride(0);
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(qkv.data_ptr()) + (heads + KV) * bytes;
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t es = qkv.element_size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < KV; ++h) {
+      std::memcpy(kc + (b * k_cache.stride(0) + h * k_cache.stride(1) + p * k_cache.stride(2)) * es, kp + (b * KV + h) * bytes, bytes);
+      std::memcpy(vc + (b * v_cache.stride(0) + h * v_cache.stride(1) + p * v_cache.stride(2)) * es, vp + b * vrow * es + h * bytes, bytes);
+    }
+  return decode(q, k_cache.narrow(0, 0, B).narrow(2, 0, p + 1), v_cache.narrow(0, 0, B).narrow(2, 0, p + 1), scale);
 }
 
 }  // namespace
