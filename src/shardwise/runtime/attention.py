@@ -271,7 +271,7 @@ class GQAttention(nn.Module):
         """``shardwise_attn.step`` (``csrc/decode_attention.cpp``: the rest of this forward after the stacked
         q|k|v product, in one call, with the same ops and bits) where it applies: one token per row of full
         attention on the CPU in float32 / bfloat16, q|k|v stacked, full-width rotary tables, no sinks, the
-        Llama form of any q/k norms; and the norm, rotary and attention ops all built here. Else None."""
+        Llama form of any q/k norms; and the norm and attention ops built here. Else None."""
         if (slots is not None or x.shape[1] != 1 or self.window is not None or self.sinks is not None
                 or getattr(self, "stack", None) is None or x.device.type != "cpu" or x.dtype != self.k_cache.dtype
                 or x.dtype not in (torch.float32, torch.bfloat16) or rope[0].dim() != 2
@@ -280,8 +280,6 @@ class GQAttention(nn.Module):
         if self.q_norm is not None and (self.q_norm.cast_after_weight or self.k_norm.cast_after_weight
                                         or self.q_norm.eps != self.k_norm.eps
                                         or cpp_ops.optional_op("rms_norm.cpp", "shardwise_norm", "rms_norm") is None):
-            return None
-        if cpp_ops.optional_op("rotary.cpp", "shardwise_rope", "rope") is None:
             return None
         return cpp_ops.optional_op("decode_attention.cpp", "shardwise_attn", "step")
 

@@ -27,11 +27,13 @@
 // Problems under kInlineWork multiply-adds run on the calling thread (waking the pool costs more than them).
 //
 // step: one decode step of grouped-query full attention in one call, for a token per row: qkv [B, 1, (H + 2 KV)
-// d] (the stacked q|k|v product) split into views; q and k through the optional q / k RMSNorms
-// (shardwise_norm::rms_norm) and rotate-half rotary (shardwise_rope::rope, cos / sin [1, d/2]), both looked up
-// in the dispatcher (runtime.attention loads their libraries first); k and v written at `position` into cache
-// rows 0..B-1 of k_cache / v_cache [max_batch, KV, S, d]; then decode over keys 0..position. The ops and order
-// of runtime.attention's GQAttention path, so the same bits, without its ~12 Python-level torch calls.
+// d] (the stacked q|k|v product) read in place; q and k through the optional q / k RMSNorms
+// (shardwise_norm::rms_norm, looked up in the dispatcher: runtime.attention loads its library first) and rotate-half
+// rotary (rotary.cpp's own rows, rotary_row.h; cos / sin [1, d/2]), k rotated straight into cache position
+// `position` and v copied there (rows 0..B-1 of k_cache / v_cache [max_batch, KV, S, d]); then decode over keys
+// 0..position. The ops and order of runtime.attention's GQAttention path, so the same bits, without its ~12
+// Python-level torch calls; rotating in place saves the two rotary calls' and two cache copies' dispatch and
+// allocations (~20-30 us a layer of a decode step, whose caches are cold after each weight stream).
 // Built only where the compiler targets AVX-512F and BW; elsewhere no op is registered (SDPA runs).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -45,6 +47,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "rotary_row.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -266,11 +270,42 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// x [B, 1, n, d] through shardwise_norm::rms_norm (Llama form) when `weight` is given, as [B, n, 1, d].
-at::Tensor normed_heads(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
-  if (!weight.has_value()) return x.transpose(1, 2);
+// x [B, 1, n, d] (a view of qkv) through shardwise_norm::rms_norm (Llama form): contiguous [B, 1, n, d].
+at::Tensor normed_heads(const at::Tensor& x, const at::Tensor& weight, double eps) {
   static const auto norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool, bool)>("shardwise_norm::rms_norm");
-  return norm.call(x, *weight, eps, false, false).transpose(1, 2);
+  return norm.call(x, weight, eps, false, false);
+}
+
+// Rotate-half rotary of B x n rows of d (row (b, i) at src + b * sb + i * d) into dst + b * db + i * di: rotary.cpp's
+// rows (rotary_row.h), so its bits.
+template <class E>
+void rotate_rows(const E* src, int64_t sb, const E* cos, const E* sin, E* dst, int64_t db, int64_t di, int64_t B,
+                 int64_t n, int64_t d) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < n; ++i) shardwise::rotate_row<E, false>(src + b * sb + i * d, cos, sin, dst + b * db + i * di, d / 2);
+}
+
+template <class E>
+at::Tensor step_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                     at::Tensor& v_cache, int64_t p, int64_t heads, double scale, const std::optional<at::Tensor>& q_norm,
+                     const std::optional<at::Tensor>& k_norm, double eps) {
+  const int64_t B = qkv.size(0), KV = k_cache.size(1), d = k_cache.size(3), row = qkv.stride(0);
+  const E* base = qkv.data_ptr<E>();
+  // q and k as they enter the rotary: qkv's own rows, or (q / k norms) the norms' contiguous outputs
+  const at::Tensor qn = q_norm ? normed_heads(qkv.narrow(2, 0, heads * d).view({B, 1, heads, d}), *q_norm, eps) : at::Tensor();
+  const at::Tensor kn = k_norm ? normed_heads(qkv.narrow(2, heads * d, KV * d).view({B, 1, KV, d}), *k_norm, eps) : at::Tensor();
+  at::Tensor q = at::empty({B, heads, 1, d}, qkv.options());
+  rotate_rows<E>(q_norm ? qn.data_ptr<E>() : base, q_norm ? heads * d : row, cos.data_ptr<E>(), sin.data_ptr<E>(),
+                 q.data_ptr<E>(), heads * d, d, B, heads, d);
+  // k rotated straight into cache position p, v copied there: no TensorIterator copies (~20 us a layer, cold)
+  E* kc = k_cache.data_ptr<E>() + p * k_cache.stride(2);
+  E* vc = v_cache.data_ptr<E>() + p * v_cache.stride(2);
+  rotate_rows<E>(k_norm ? kn.data_ptr<E>() : base + heads * d, k_norm ? KV * d : row, cos.data_ptr<E>(), sin.data_ptr<E>(),
+                 kc, k_cache.stride(0), k_cache.stride(1), B, KV, d);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < KV; ++h)
+      std::memcpy(vc + b * v_cache.stride(0) + h * v_cache.stride(1), base + b * row + (heads + KV + h) * d, d * sizeof(E));
+  return decode(q, k_cache.narrow(0, 0, B).narrow(2, 0, p + 1), v_cache.narrow(0, 0, B).narrow(2, 0, p + 1), scale);
 }
 
 at::Tensor step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
@@ -280,29 +315,18 @@ at::Tensor step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == (heads + 2 * KV) * d && qkv.is_contiguous(),
               "qkv must be contiguous [B, 1, (heads + 2 kv) d]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && B <= k_cache.size(0), "caches must be [max_batch >= B, kv, S, d] alike");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.scalar_type() == qkv.scalar_type(), "caches must be contiguous along d, in qkv's dtype");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == 1 && t->size(1) == d / 2 && t->stride(1) == 1 && d % 2 == 0 &&
+                t->scalar_type() == qkv.scalar_type(), "cos and sin must be [1, d/2] in qkv's dtype");
   TORCH_CHECK(position.scalar_type() == at::kLong && position.numel() == 1 && position.device().is_cpu(),
               "position must be one int64 on the CPU");
   const int64_t p = position.data_ptr<int64_t>()[0];
   TORCH_CHECK(p >= 0 && p < S, "position ", p, " is outside the cache of ", S);
-  static const auto rope = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>("shardwise_rope::rope");
-  const at::Tensor q = rope.call(normed_heads(qkv.narrow(2, 0, heads * d).view({B, 1, heads, d}), q_norm, eps), cos, sin, false);
-  const at::Tensor k = rope.call(normed_heads(qkv.narrow(2, heads * d, KV * d).view({B, 1, KV, d}), k_norm, eps), cos, sin, false);
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.scalar_type() == qkv.scalar_type() &&
-              v_cache.scalar_type() == qkv.scalar_type(), "caches must be contiguous along d, in qkv's dtype");
-  // k (rotated, contiguous [B, KV, 1, d]) and v (qkv's slice) into cache position p, row by row: plain copies where
-  // two TensorIterator copy_ calls cost a decode step ~20 us a layer with cold caches
-  const int64_t bytes = d * qkv.element_size(), vrow = qkv.stride(0);
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(qkv.data_ptr()) + (heads + KV) * bytes;
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t es = qkv.element_size();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < KV; ++h) {
-      std::memcpy(kc + (b * k_cache.stride(0) + h * k_cache.stride(1) + p * k_cache.stride(2)) * es, kp + (b * KV + h) * bytes, bytes);
-      std::memcpy(vc + (b * v_cache.stride(0) + h * v_cache.stride(1) + p * v_cache.stride(2)) * es, vp + b * vrow * es + h * bytes, bytes);
-    }
-  return decode(q, k_cache.narrow(0, 0, B).narrow(2, 0, p + 1), v_cache.narrow(0, 0, B).narrow(2, 0, p + 1), scale);
+  if (qkv.scalar_type() == at::kFloat) return step_rows<float>(qkv, cos, sin, k_cache, v_cache, p, heads, scale, q_norm, k_norm, eps);
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "qkv must be float32 or bfloat16");
+  return step_rows<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, p, heads, scale, q_norm, k_norm, eps);
 }
 
 }  // namespace

@@ -29,48 +29,12 @@
 #include <cstring>
 #include <type_traits>
 
+#include "rotary_row.h"
+
 namespace {
 
 // Rounds a float32 to E and back (bfloat16: to nearest even, as c10::BFloat16 does; float32: itself), in
 // plain integer operations the compiler vectorises (a NaN's quiet bit is kept, as c10's conversion does).
-template <class E>
-inline float rounded(float v) {
-  if constexpr (std::is_same_v<E, float>) {
-    return v;
-  } else {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    bits = v != v ? (bits | 0x00400000u) & 0xFFFF0000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    float out;
-    std::memcpy(&out, &bits, sizeof out);
-    return out;
-  }
-}
-
-// One row: the pairs' halves gathered as float32, then the four rounded products and their rounded sums.
-template <class E, bool kInterleaved>
-inline void rotate_row(const E* __restrict xr, const E* __restrict cr, const E* __restrict sr, E* __restrict o,
-                       int64_t half) {
-  constexpr int64_t kBlock = 64;  // pairs per pass (float32 scratch in registers / L1)
-  for (int64_t i0 = 0; i0 < half; i0 += kBlock) {
-    const int64_t n = std::min(kBlock, half - i0);
-    float x1[kBlock], x2[kBlock], lo[kBlock], hi[kBlock];
-    for (int64_t i = 0; i < n; ++i) {
-      x1[i] = float(kInterleaved ? xr[2 * (i0 + i)] : xr[i0 + i]);
-      x2[i] = float(kInterleaved ? xr[2 * (i0 + i) + 1] : xr[half + i0 + i]);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      const float c = float(cr[i0 + i]), s = float(sr[i0 + i]);
-      lo[i] = rounded<E>(x1[i] * c) - rounded<E>(x2[i] * s);  // each product rounded to E, as torch's multiply
-      hi[i] = rounded<E>(x2[i] * c) + rounded<E>(x1[i] * s);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      o[i0 + i] = E(lo[i]);
-      o[half + i0 + i] = E(hi[i]);
-    }
-  }
-}
-
 // A table's strides over x's [B, H, T] (0 where it broadcasts).
 void table_strides(const at::Tensor& t, int64_t* strides) {
   if (t.dim() == 2) {
@@ -95,7 +59,7 @@ void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, a
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / (H * T), h = r / T % H, t = r % T;
-      rotate_row<E, kInterleaved>(xp + b * xs[0] + h * xs[1] + t * xs[2], cp + b * cs[0] + h * cs[1] + t * cs[2],
+      shardwise::rotate_row<E, kInterleaved>(xp + b * xs[0] + h * xs[1] + t * xs[2], cp + b * cs[0] + h * cs[1] + t * cs[2],
                                   sp + b * ss[0] + h * ss[1] + t * ss[2], op + r * 2 * half, half);
     }
   });
