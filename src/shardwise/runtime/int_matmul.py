@@ -185,7 +185,8 @@ def float_path(bits: int) -> str:
     """How float32 rows (a float32 model's) times ``bits``-bit weights reach the kernel on this machine: ``float32``
     (each weight through a table to float32, a fused multiply-add per product) or ``int24`` (each 32-block of the row on
     its power-of-two integer grid, in three int8 parts: ``csrc/int_matmul_grids.h`` — every element off by at most
-    2^-20 of its block's largest, the integer sums rounded once to float32), one weight row at a time or two
+    2^-22 of its block's largest, 2^-21 against int8 weights; the integer sums rounded once to float32), one weight
+    row at a time or two
     (``_pairs``) — the fastest of them at torch's current thread count, measured once with float32 rows
     (``measure_rows``) and stored beside the kernel's build. ``SHARDWISE_INT_FLOAT_ROWS`` (one of ``FLOAT_PATHS``)
     overrides it. Decided once per process."""
