@@ -135,3 +135,26 @@ def test_an_exact_step_binds_the_row_invariant_products_not_the_plain_ones(folde
     _same_steps(folders["llama"], torch.float32, steps=2, exact=True)
     with pytest.raises(AssertionError, match="torch.mv ran"):
         _same_steps(folders["llama"], torch.float32, steps=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int_layer_halves_run_as_one_call_each(folders, monkeypatch, dtype):
+    """Packed int weights on one rank: each layer half is one compiled call (csrc/layer_step.cpp), with the modules'
+    bits (``_same_steps``); dense weights keep the separate bound calls."""
+    from shardwise.runtime import cpp_ops
+
+    calls, real = [], cpp_ops.optional_op
+
+    def counting(source, namespace, name):
+        found = real(source, namespace, name)
+        if namespace != "shardwise_layer" or found is None:
+            return found
+        return lambda *args: calls.append(name) or found(*args)
+
+    monkeypatch.setattr(cpp_ops, "optional_op", counting)
+    _same_steps(folders["int4"], dtype, steps=3)
+    layers = _model(folders["int4"], dtype).model.layers
+    assert calls.count("int_attention") == calls.count("int_mlp") >= 3 * len(layers)
+    calls.clear()
+    _same_steps(folders["llama"], dtype, steps=2)
+    assert not calls

@@ -361,12 +361,18 @@ class IntWeight(nn.Module):
         """``forward`` for one contiguous row ``x`` [1, in] of ``dtype`` (float32 or bfloat16) → [1, out] in ``dtype``,
         with the kernel's row path, pairs and int8 rows decided now (``kernel_rows``, ``activations``): the same call
         and bits without the per-call checks, for a caller running it every step (``runtime.token_step``)."""
-        q8 = self.takes_int8_rows and activations() == "int8"
-        rows, flags = kernel_rows(torch.zeros(1, self.in_features, dtype=dtype), self.bits, q8, self.takes_int8_rows)
-        op, q, scale, bits, group = kernel(), self.q, self.scale, self.bits, self.group
-        if rows.dtype != dtype:  # widened to float32, as kernel_rows does
+        bits, group, widen, *flags = self.kernel_args(dtype)
+        op, q, scale = kernel(), self.q, self.scale
+        if widen:  # widened to float32, as kernel_rows does
             return lambda x: op(x.float(), q, scale, bits, group, dtype, *flags)
         return lambda x: op(x, q, scale, bits, group, dtype, *flags)
+
+    def kernel_args(self, dtype: torch.dtype) -> list[int]:
+        """[bits, group, widen, pairs, q8, grids] for one row of ``dtype``, decided now (``kernel_rows``, ``activations``):
+        what ``row_product`` binds, as ``csrc/layer_step.cpp`` takes it (widen: the row goes in as float32)."""
+        q8 = self.takes_int8_rows and activations() == "int8"
+        rows, flags = kernel_rows(torch.zeros(1, self.in_features, dtype=dtype), self.bits, q8, self.takes_int8_rows)
+        return [self.bits, self.group, int(rows.dtype != dtype), *map(int, flags)]
 
     def _dequantized_blocks(self, rows: torch.Tensor) -> torch.Tensor | None:
         """``rows`` [M, in] times the weight, one GEMM per block of dequantized weight rows (``BLOCK_ELEMENTS``),

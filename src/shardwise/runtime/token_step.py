@@ -14,7 +14,10 @@ What it binds per decoder layer: grouped-query attention where ``GQAttention``'s
 (RMSNorm, the stacked q|k|v product, ``shardwise_attn.step``, o_proj without bias) and a dense gated MLP with
 stacked gate|up (RMSNorm, the stacked product, the activation, down; SwiGLU as one compiled call, torch's bits —
 ``csrc/swiglu.cpp`` — where its width is a multiple of 64: side by side in one process, 10 rounds, the 2048x10 llama's
-int4 decode 76.9 -> 78.5 tok/s in bfloat16 and 71.2 -> 73.8 in float32, its bfloat16 decode 28.8 -> 29.1). Any other part (MLA, linear attention,
+int4 decode 76.9 -> 78.5 tok/s in bfloat16 and 71.2 -> 73.8 in float32, its bfloat16 decode 28.8 -> 29.1). Where both
+products of a half are packed int weights on one rank, the half is one compiled call (``csrc/layer_step.cpp``: norm,
+products, attention step or SwiGLU, residual add; the same ops and bits): int4 decode, 10 rounds side by side, bfloat16
+88.7 -> 89.6 tok/s, float32 77.9 -> 81.1. Any other part (MLA, linear attention,
 sliding windows, MoE blocks, biases) runs through its module inside the same step. The all-reduces are the
 layer's ``reduce_attn`` / ``reduce_mlp`` as they are at call time.
 
@@ -34,11 +37,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from shardwise.runtime import cpp_ops, gemv
 from shardwise.runtime.attention import GQAttention
 from shardwise.runtime.exact import VECTOR_BLOCK, fixed_order_linear, row_blocked
 from shardwise.runtime.int_matmul import IntWeight, activations
+from shardwise.runtime.layers import allreduce
 from shardwise.runtime.moe import DenseMLP, silu_and_mul
 from shardwise.runtime.rms_norm import RMSNorm
 
@@ -90,6 +95,14 @@ def _attention(layer, dtype: torch.dtype, rope: Rope, exact: bool, slots: int) -
     qn = attn.step_norms()
     caches = [(attn.k_cache[s : s + 1], attn.v_cache[s : s + 1]) for s in range(slots)]  # each slot's rows
     heads, scaling = attn.heads, attn.scaling
+    fused = _fused("int_attention", layer.reduce_attn, attn.stack.weight, attn.o_proj.weight)
+    if fused is not None:  # the whole half in one call (csrc/layer_step.cpp), the same ops and bits
+        args = (*_norm_args(norm), *_int_args(attn.stack.weight, dtype), *_int_args(attn.o_proj.weight, dtype))
+
+        def run_fused(h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: int) -> torch.Tensor:
+            return fused(h, *args, cos, sin, *caches[slot], positions, heads, scaling, *qn)
+
+        return run_fused
 
     def run(h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: int) -> torch.Tensor:
         y = step(qkv(normed(h)).view(1, 1, -1), cos, sin, *caches[slot], positions, heads, scaling, *qn)
@@ -112,6 +125,10 @@ def _mlp(layer, dtype: torch.dtype, exact: bool) -> Callable | None:
 
     swiglu = cpp_ops.optional_op("swiglu.cpp", "shardwise_act", "silu_mul")
     if act is silu_and_mul and swiglu is not None and rows[0] == rows[1] and rows[0] % 64 == 0:  # one call, the same bits
+        fused = _fused("int_mlp", layer.reduce_mlp, mlp.stack.weight, mlp.down_proj.weight)
+        if fused is not None:  # the whole half in one call (csrc/layer_step.cpp)
+            args = (*_norm_args(norm), *_int_args(mlp.stack.weight, dtype), *_int_args(mlp.down_proj.weight, dtype))
+            return lambda h: fused(h, *args)
 
         def run(h: torch.Tensor) -> torch.Tensor:
             return h + layer.reduce_mlp(down(swiglu(gate_up(normed(h)))))
@@ -123,6 +140,26 @@ def _mlp(layer, dtype: torch.dtype, exact: bool) -> Callable | None:
         return h + layer.reduce_mlp(down(act(gate, up)))
 
     return run
+
+
+def _fused(name: str, reduce: Callable, *weights) -> Callable | None:
+    """``shardwise_layer.<name>`` (``csrc/layer_step.cpp``) where a layer half can run as one call: packed int
+    weights, one rank (the half's all-reduce the plain identity), the op built here; else None."""
+    if not all(isinstance(w, IntWeight) for w in weights) or reduce is not allreduce:
+        return None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return None
+    return cpp_ops.optional_op("layer_step.cpp", "shardwise_layer", name)
+
+
+def _norm_args(norm: RMSNorm) -> tuple:
+    """An RMSNorm as the fused ops take it: (weight, eps, cast_after_weight, offset)."""
+    return norm.weight, norm.eps, norm.cast_after_weight, norm.offset
+
+
+def _int_args(weight: IntWeight, dtype: torch.dtype) -> tuple:
+    """A packed product as the fused ops take it: (q, scale, [bits, group, widen, pairs, q8, grids])."""
+    return weight.q, weight.scale, weight.kernel_args(dtype)
 
 
 class TokenStep:
