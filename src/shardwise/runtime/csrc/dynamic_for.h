@@ -31,6 +31,20 @@ inline int64_t run_rows(int64_t row_bytes, int64_t multiple, int64_t chunk_bytes
   return std::max<int64_t>(multiple, (rows + multiple - 1) / multiple * multiple);
 }
 
+// Rows per chunk for n rows of `row_bytes`: about `chunk_bytes` each, but as many chunks as a multiple of torch's
+// thread count, so that threads streaming at one speed take equal shares (a multiple of `multiple` rows each, at
+// least one). A MoE expert's 768x1024 MXFP4 projection (418 KB) was one chunk at 512 KB: one thread did all of it —
+// a Qwen3-MoE-shaped model (hidden 1024, 64 experts top-8, width 768, 6 layers) with MXFP4 experts, 2 threads,
+// bfloat16, side by side in one process, 6 rounds: 96.8 -> 129.4 tok/s (its BF16-expert twin 74.9 / 76.8); the
+// 2048x10 llama's int4 decode (weights of 2.3-36 MB) unchanged.
+inline int64_t even_runs(int64_t n, int64_t row_bytes, int64_t multiple, int64_t chunk_bytes) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  int64_t chunks = std::max<int64_t>(1, (n * row_bytes + chunk_bytes / 2) / chunk_bytes);
+  chunks = (chunks + threads - 1) / threads * threads;
+  const int64_t rows = (n + chunks - 1) / chunks;
+  return std::max<int64_t>(multiple, (rows + multiple - 1) / multiple * multiple);
+}
+
 // f(begin, end) over [0, n) in chunks of `chunk`, each chunk taken by whichever of torch's threads is free.
 template <class F>
 void dynamic_for(int64_t n, int64_t chunk, const F& f) {

@@ -12,7 +12,7 @@ void each_output(const at::Tensor& y, int64_t M, int64_t N, int64_t row_bytes, c
     const auto one = [&](int64_t r) {
       for (int64_t m = 0; m < M; ++m) yp[m * N + r] = T(dot(r, m));
     };
-    shardwise::dynamic_for(N, shardwise::run_rows(row_bytes, 32, shardwise::kIntChunkBytes), [&](int64_t r0, int64_t r1) {
+    shardwise::dynamic_for(N, shardwise::even_runs(N, row_bytes, 32, shardwise::kIntChunkBytes), [&](int64_t r0, int64_t r1) {
       if (dot2 == nullptr) {
         for (int64_t r = r0; r < r1; ++r) one(r);
         return;
