@@ -20,6 +20,7 @@
 // tok/s (its BF16 twin 173-181, expert by expert).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mv.h>
 #include <c10/util/BFloat16.h>
@@ -30,6 +31,7 @@
 #include <cstdint>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -98,13 +100,15 @@ const at::Tensor& with_bias(const at::Tensor& y, at::TensorList bias, int64_t i)
 
 // out (O) += sum over experts i of w[slots[i]] * down(i, act(gate, up)), (gate, up) = gate_up(i), each in T (the run
 // dtype), rounded as the torch ops it replaces round them: the weighted output in T, or in float32 where the router
-// weights are float32 (`weights_float`), then in O, added in O (a latent MoE sums in float32).
+// weights are float32 (`weights_float`), then in O, added in O (a latent MoE sums in float32). With `by_expert` (products
+// whose bits do not depend on the threads running them) torch's threads take whole experts, each product then run on
+// one thread, before the sums are added in the given order (the same bits): a Qwen3-MoE-shaped MXFP4 model (64 experts
+// top-8, expert width 768, 6 layers; Xeon VM, 2 threads, bfloat16), processes alternated, 3 rounds x 4: 126-141 ->
+// 137-152 tok/s. Only for experts_row_packed: experts_row's float32 torch.mv may sum differently on one thread.
 template <typename T, typename O, class GateUp, class Down>
 void add_experts_row(int64_t experts, const GateUp& gate_up, const Down& down, const float* w, bool weights_float,
-                     at::IntArrayRef slots, const Act& act, at::Tensor& out) {
-  O* o = out.data_ptr<O>();
-  const int64_t H = out.numel();
-  for (int64_t i = 0; i < experts; ++i) {
+                     at::IntArrayRef slots, const Act& act, at::Tensor& out, bool by_expert = false) {
+  const auto output = [&](int64_t i) {  // expert i's output, in T
     const auto [gate, up] = gate_up(i);  // in the run dtype
     const int64_t I = gate.numel();
     const T* gp = gate.template data_ptr<T>();
@@ -112,7 +116,17 @@ void add_experts_row(int64_t experts, const GateUp& gate_up, const Down& down, c
     at::Tensor a = at::empty({I}, gate.options());
     T* ap = a.data_ptr<T>();
     for (int64_t j = 0; j < I; ++j) ap[j] = activate<T>(static_cast<float>(gp[j]), static_cast<float>(up_p[j]), act);
-    const at::Tensor y = down(i, a);
+    return down(i, a);
+  };
+  std::vector<at::Tensor> ys(experts);
+  if (by_expert && experts > 1 && at::get_num_threads() > 1)
+    at::parallel_for(0, experts, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) ys[i] = output(i);
+    });
+  O* o = out.data_ptr<O>();
+  const int64_t H = out.numel();
+  for (int64_t i = 0; i < experts; ++i) {
+    const at::Tensor y = ys[i].defined() ? ys[i] : output(i);
     const T* yp = y.data_ptr<T>();
     const float weight = w[slots[i]];
     for (int64_t c = 0; c < H; ++c) {
@@ -204,7 +218,7 @@ void experts_row_packed(const at::Tensor& x, at::TensorList gate_q, at::TensorLi
       return std::make_pair(g.slice(0, 0, I2, 2).contiguous(), g.slice(0, 1, I2, 2).contiguous());
     }, [&](int64_t i, const at::Tensor& a) {
       return with_bias<T>(packed_product(down_q[i], down_s[i], bits, a, down_flags), down_bias, i);
-    }, w, weights.scalar_type() == at::kFloat, slots, Act{act, float(p0), float(p1)}, out);
+    }, w, weights.scalar_type() == at::kFloat, slots, Act{act, float(p0), float(p1)}, out, true);
   });
 }
 
