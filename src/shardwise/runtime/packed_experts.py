@@ -50,8 +50,16 @@ def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> Packed:
     return Packed(q, scales, 4, whole_lines(q.shape[1] * 2))
 
 
-def expert_parts(expert, x: torch.Tensor) -> tuple[Packed, Packed, Packed] | None:
-    """(gate, up, down) of a SwiGLU ``moe.Expert`` as ``Packed``, all of one bit width, or None."""
+def expert_parts(expert, x: torch.Tensor) -> tuple[Packed, Packed | None, Packed] | None:
+    """(gate, up, down) of a SwiGLU ``moe.Expert`` as ``Packed``, all of one bit width — (gate|up, None, down) where its
+    gate and up are one stacked ``IntWeight`` (``layers.Stack``: one kernel call for both, the halves split after;
+    Qwen3-MoE-shaped int4 model, 64 experts top-8, 2 threads: see ``csrc/decode_gemv.cpp``) —, or None."""
+    stack = getattr(expert, "stack", None)
+    if stack is not None and isinstance(stack.weight, IntWeight) and stack.rows[0] == stack.rows[1]:
+        down = packed(getattr(expert, expert.parts[2]), x)
+        w = stack.weight
+        if down is not None and down.bits == w.bits:
+            return Packed(w.q, w.scale, w.bits, w.takes_int8_rows), None, down
     parts = tuple(packed(getattr(expert, name), x) for name in expert.parts)
     if any(p is None for p in parts) or len({p.bits for p in parts}) != 1:
         return None
