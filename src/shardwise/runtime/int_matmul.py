@@ -122,6 +122,14 @@ def kernel_rows(rows: torch.Tensor, bits: int, int8_rows: bool = False, lines: b
     return rows.contiguous(), (path.endswith("_pairs"), False, lines and path.startswith(("int16", "int24")))
 
 
+def row_flags(dtype: torch.dtype, bits: int, lines: bool) -> list[int]:
+    """[widen, pairs, q8, grids] for one row of ``dtype`` against ``bits``-bit weights whose rows int8 rows and the grids
+    fit (``lines``: ``IntWeight.takes_int8_rows``), decided now (``kernel_rows``, ``activations``); widen: the row goes
+    into the kernel as float32. What the compiled callers (``csrc/dispatched_ops.h``) pass the kernel."""
+    rows, flags = kernel_rows(torch.zeros(1, 1, dtype=dtype), bits, lines and activations() == "int8", lines)
+    return [int(rows.dtype != dtype), *map(int, flags)]
+
+
 def activations() -> str:
     """How rows meet int8 / int4 / MXFP4 weights in the one-row kernel: ``float`` (as they are, every product exact)
     or ``int8`` — each 32-block of a row rounded to int8 with its own float32 step (max|x| / 127), llama.cpp's Q4_0 /
@@ -368,11 +376,9 @@ class IntWeight(nn.Module):
         return lambda x: op(x, q, scale, bits, group, dtype, *flags)
 
     def kernel_args(self, dtype: torch.dtype) -> list[int]:
-        """[bits, group, widen, pairs, q8, grids] for one row of ``dtype``, decided now (``kernel_rows``, ``activations``):
-        what ``row_product`` binds, as ``csrc/layer_step.cpp`` takes it (widen: the row goes in as float32)."""
-        q8 = self.takes_int8_rows and activations() == "int8"
-        rows, flags = kernel_rows(torch.zeros(1, self.in_features, dtype=dtype), self.bits, q8, self.takes_int8_rows)
-        return [self.bits, self.group, int(rows.dtype != dtype), *map(int, flags)]
+        """[bits, group, widen, pairs, q8, grids] for one row of ``dtype`` (``row_flags``): what ``row_product`` binds,
+        as ``csrc/layer_step.cpp`` takes it."""
+        return [self.bits, self.group, *row_flags(dtype, self.bits, self.takes_int8_rows)]
 
     def _dequantized_blocks(self, rows: torch.Tensor) -> torch.Tensor | None:
         """``rows`` [M, in] times the weight, one GEMM per block of dequantized weight rows (``BLOCK_ELEMENTS``),

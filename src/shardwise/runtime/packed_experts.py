@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from shardwise.runtime import cpp_ops, gemv, int_matmul
-from shardwise.runtime.int_matmul import IntWeight, activations, kernel_rows
+from shardwise.runtime.int_matmul import IntWeight, row_flags
 from shardwise.runtime.mxfp4_matmul import packed_kernel, whole_lines
 
 __all__ = ["Packed", "expert_parts", "kernel", "mxfp4", "packed", "run"]
@@ -83,10 +83,6 @@ def run(op, x: torch.Tensor, experts: list[tuple[Packed, Packed | None, Packed]]
     its bias where ``biases`` (gate biases, down biases: one per expert, or none) has one, through ``op`` with the
     flags ``kernel_rows`` gives the modules now."""
     gate, _, down = experts[0]
-    int8 = activations() == "int8"
-    flags = []
-    for part in (gate, down):  # [widen to float32, pairs, q8, grids] as the module's kernel_rows decides them
-        rows, (pairs, q8, grids) = kernel_rows(x.view(1, -1), part.bits, int8 and part.lines, part.lines)
-        flags.append([int(rows.dtype != x.dtype), int(pairs), int(q8), int(grids)])
+    flags = [row_flags(x.dtype, part.bits, part.lines) for part in (gate, down)]  # as the modules' kernel_rows decides
     lists = [[e[k][field] for e in experts if e[k] is not None] for k in range(3) for field in (0, 1)]
     op(x, *lists, gate.bits, weights, slots, out, *flags, *act, *biases)

@@ -36,7 +36,6 @@
 // allocations (~20-30 us a layer of a decode step, whose caches are cold after each weight stream).
 // Built only where the compiler targets AVX-512F and BW; elsewhere no op is registered (SDPA runs).
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -48,6 +47,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dispatched_ops.h"
 #include "rotary_row.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -265,14 +265,9 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return attend_rows<c10::BFloat16>(q, k, v, scale);
 }
 
-template <class Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 // x [B, 1, n, d] (a view of qkv) through shardwise_norm::rms_norm (Llama form): contiguous [B, 1, n, d].
 at::Tensor normed_heads(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const auto norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool, bool)>("shardwise_norm::rms_norm");
+  static const auto norm = shardwise::find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool, bool)>("shardwise_norm::rms_norm");
   return norm.call(x, weight, eps, false, false);
 }
 

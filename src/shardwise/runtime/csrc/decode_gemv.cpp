@@ -19,7 +19,6 @@
 // fused experts (interleaved gate|up, biases, clamped SwiGLU): bench_mxfp4's gpt-oss shape, one thread, MXFP4 208 -> 251
 // tok/s (its BF16 twin 173-181, expert by expert).
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mv.h>
@@ -33,15 +32,15 @@
 #include <utility>
 #include <vector>
 
+#include "dispatched_ops.h"
+
 namespace {
 
 using RowsOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
 // shardwise_rows' product for `dtype` (linear_f32 or linear_bf16_dp), looked up once.
 const RowsOp& rows_op(at::ScalarType dtype) {
-  const auto find = [](const char* name) {
-    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  };
+  const auto find = shardwise::find_op<at::Tensor(const at::Tensor&, const at::Tensor&)>;
   if (dtype == at::kFloat) {
     static const RowsOp op = find("shardwise_rows::linear_f32");
     return op;
@@ -173,26 +172,13 @@ void experts_row(const at::Tensor& x, at::TensorList gate_up, at::TensorList dow
   });
 }
 
-using IntOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                                  std::optional<at::ScalarType>, bool, bool, bool)>;
-
-// shardwise_int::int_matmul (int_matmul.cpp), looked up once: runtime.int_matmul loads that library first.
-const IntOp& int_op() {
-  static const IntOp op = c10::Dispatcher::singleton().findSchemaOrThrow("shardwise_int::int_matmul", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                        std::optional<at::ScalarType>, bool, bool, bool)>();
-  return op;
-}
-
 // x [K] in the run dtype times a packed weight (q, its scales s; `bits`) -> [N] in x's dtype, as IntWeight and
 // mxfp4_matmul run one row; flags = [widen x to float32 first, the kernel's pairs, q8, grids].
 at::Tensor packed_product(const at::Tensor& q, const at::Tensor& s, int64_t bits, const at::Tensor& x, at::IntArrayRef flags) {
   const int64_t K = x.numel();
   TORCH_CHECK(q.dim() == 2 && s.dim() == 2 && q.size(1) * 8 == K * bits && s.size(0) == q.size(0) && K % s.size(1) == 0,
               "packed expert weights must be q [N, K * bits / 8] and scales [N, K / group] for x of K");
-  const at::Tensor row = x.view({1, K});
-  return int_op().call(flags[0] ? row.to(at::kFloat) : row, q, s, bits, K / s.size(1), x.scalar_type(), flags[1] != 0,
-                       flags[2] != 0, flags[3] != 0).view({q.size(0)});
+  return shardwise::int_row_product(x.view({1, K}), q, s, bits, K / s.size(1), flags, x.scalar_type()).view({q.size(0)});
 }
 
 // experts_row for packed int8 / int4 / MXFP4 experts: gate, up and down as (q, scales) each — or, with no up, gate

@@ -8,33 +8,28 @@
 // (each op looked up in the dispatcher: their libraries are loaded first), so the same bits; one call where a layer
 // made ~12 Python-level calls, each paying the interpreter and dispatcher with caches cold after a weight stream.
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
-#include <vector>
+
+#include "dispatched_ops.h"
 
 namespace {
 
-template <class Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+using shardwise::find_op;
 
 at::Tensor norm(const at::Tensor& h, const at::Tensor& weight, double eps, bool after, bool offset) {
   static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool, bool)>("shardwise_norm::rms_norm");
   return op.call(h, weight, eps, after, offset);
 }
 
-// x [1, in] times one packed weight (int_matmul), out in `dtype`.
+// x [1, in] times one packed weight, args = [bits, group, widen, pairs, q8, grids], out in `dtype`.
 at::Tensor product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, at::IntArrayRef args, at::ScalarType dtype) {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                            std::optional<at::ScalarType>, bool, bool, bool)>("shardwise_int::int_matmul");
   TORCH_CHECK(args.size() == 6, "a product's args are [bits, group, widen, pairs, q8, grids]");
-  return op.call(args[2] ? x.to(at::kFloat) : x, q, scale, args[0], args[1], dtype, args[3] != 0, args[4] != 0, args[5] != 0);
+  return shardwise::int_row_product(x, q, scale, args[0], args[1], args.slice(2), dtype);
 }
 
 // h + y, each sum rounded once to h's dtype.
